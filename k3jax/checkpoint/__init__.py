@@ -1,0 +1,1 @@
+"""Safetensors I/O, name maps and checkpoint conversion."""

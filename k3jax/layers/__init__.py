@@ -1,0 +1,1 @@
+"""Flax Linen layers, one file per kind."""

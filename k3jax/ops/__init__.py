@@ -1,0 +1,1 @@
+"""Pure functions the layers call (no parameters)."""

@@ -1,0 +1,1 @@
+"""Pallas kernels, called only through k3jax.ops."""
