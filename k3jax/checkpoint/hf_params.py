@@ -1,0 +1,140 @@
+"""Hugging Face safetensors directory → k3jax param tree (host numpy), via `names.tensor_map`.
+
+Every tensor of the text model must be found, every text tensor in the files must be
+mapped, and every shape must agree — otherwise the error names the tensor. Vision and
+projector tensors are left to the vision loader.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
+from k3jax.checkpoint.names import TensorEntry, hf_prefixes, tensor_map
+from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
+from k3jax.config import ModelConfig
+
+NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's tensors do not match the config; the message lists which."""
+
+
+def detect_layout(names) -> str:
+    names = list(names)
+    if any(n.startswith("language_model.") for n in names):
+        return "k3"
+    if any(n.startswith("model.") for n in names):
+        return "kimi_linear"
+    raise CheckpointMismatch("checkpoint has neither 'language_model.*' (K3) nor 'model.*' (Kimi-Linear) tensors")
+
+
+def detect_dense_mlp_name(names, layout: str, cfg: ModelConfig) -> str:
+    """'mlp' (released files) or 'block_sparse_moe' (transformers' save_pretrained)."""
+    pre, _ = hf_prefixes(layout)
+    dense = [i for i, k in enumerate(cfg.ffn_kinds) if k == "dense"]
+    if dense and f"{pre}layers.{dense[0]}.block_sparse_moe.gate_proj.weight" in set(names):
+        return "block_sparse_moe"
+    return "mlp"
+
+
+def to_tree_layout(entry: TensorEntry, arr: np.ndarray, target_shape: tuple[int, ...]) -> np.ndarray:
+    """Checkpoint array → the slice of the tree leaf it fills."""
+    t = entry.transform
+    if t in ("T", "expertT"):
+        arr = arr.T
+    elif t == "conv":
+        arr = arr.reshape(arr.shape[0], arr.shape[-1]).T
+    elif t == "row":
+        arr = arr.reshape(-1)
+    elif t == "a_log":
+        h = target_shape[0]
+        flat = arr.reshape(-1)
+        if flat.shape[0] < h:
+            raise CheckpointMismatch(f"{entry.hf}: {arr.shape} holds fewer than {h} heads")
+        arr = flat[:h]  # K3 pads A_log to head_dim with zeros; only the first H are heads
+    if tuple(arr.shape) != tuple(target_shape):
+        raise CheckpointMismatch(f"{entry.hf}: shape {tuple(arr.shape)} after '{t}' does not match the "
+                                 f"model's {tuple(target_shape)} at {'/'.join(entry.path)}")
+    return arr
+
+
+def read_entry(ckpt, entry: TensorEntry, names: set[str]) -> np.ndarray:
+    """The checkpoint array of one entry, MXFP4 experts dequantized to fp32."""
+    if not entry.is_expert:
+        return ckpt.get(entry.hf)
+    if f"{entry.hf}.weight" in names:
+        return ckpt.get(f"{entry.hf}.weight")
+    return dequantize_mxfp4_np(ckpt.get(f"{entry.hf}.weight_packed"), ckpt.get(f"{entry.hf}.weight_scale"))
+
+
+def check_names(cfg: ModelConfig, names, layout: str | None = None) -> dict:
+    """Match checkpoint names against the map without reading data.
+
+    Returns {'layout', 'dense_mlp_name', 'missing', 'unexpected', 'matched'}.
+    """
+    names = set(names)
+    layout = layout or detect_layout(names)
+    dense_name = detect_dense_mlp_name(names, layout, cfg)
+    entries = tensor_map(cfg, layout, dense_name)
+    expected, missing = set(), []
+    for e in entries:
+        if e.is_expert:
+            if f"{e.hf}.weight" in names:
+                expected.add(f"{e.hf}.weight")
+            elif f"{e.hf}.weight_packed" in names and f"{e.hf}.weight_scale" in names:
+                expected.update((f"{e.hf}.weight_packed", f"{e.hf}.weight_scale"))
+            else:
+                missing.append(f"{e.hf}.weight")
+        elif e.hf in names:
+            expected.add(e.hf)
+        else:
+            missing.append(e.hf)
+    unexpected = sorted(n for n in names - expected if not n.startswith(NON_TEXT_PREFIXES))
+    return {"layout": layout, "dense_mlp_name": dense_name, "missing": missing,
+            "unexpected": unexpected, "matched": len(expected), "entries": entries}
+
+
+def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
+    """All text params as a nested dict of numpy arrays shaped like `init_params`.
+
+    dtype: cast every leaf (e.g. np.float32 for parity runs); default keeps each leaf in
+    the model's param dtype (fp32 for the fp32-only params).
+    """
+    import jax
+
+    from k3jax.model import abstract_params
+    from flax import linen as nn
+
+    shapes = nn.unbox(abstract_params(cfg))
+    ckpt = ShardedCheckpoint(hf_dir)
+    names = set(ckpt.keys())
+    report = check_names(cfg, names)
+    if report["missing"] or report["unexpected"]:
+        lines = [f"missing: {n}" for n in report["missing"][:20]]
+        lines += [f"unexpected: {n}" for n in report["unexpected"][:20]]
+        raise CheckpointMismatch(f"{hf_dir}: {len(report['missing'])} missing and "
+                                 f"{len(report['unexpected'])} unexpected tensors\n" + "\n".join(lines))
+
+    flat = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
+    out = {path: np.zeros(s.shape, dtype or s.dtype) for path, s in flat.items()}
+    filled: dict = {}
+    for e in report["entries"]:
+        if e.path not in out:
+            raise CheckpointMismatch(f"{e.hf}: the model has no param {'/'.join(e.path)}")
+        leaf = out[e.path]
+        slot_shape = leaf.shape[len(e.index):]
+        leaf[e.index] = to_tree_layout(e, read_entry(ckpt, e, names), slot_shape).astype(leaf.dtype)
+        filled.setdefault(e.path, set()).add(e.index)
+    ckpt.close()
+    for path, leaf in out.items():  # a param no checkpoint tensor fills would stay silently zero
+        n_idx = len(next(iter(filled.get(path, {()}))))
+        if len(filled.get(path, ())) != int(np.prod(leaf.shape[:n_idx])):
+            raise CheckpointMismatch(f"param {'/'.join(path)} is not fully covered by the checkpoint map")
+    tree: dict = {}
+    for path, arr in out.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = arr
+    return tree

@@ -1,0 +1,425 @@
+"""Model configuration: the real `config.json` keys, validated, and back again.
+
+`ModelConfig.from_hf` accepts a top-level `kimi_k3` config (with `text_config` and
+`vision_config`) or a bare `kimi_linear` one. Layer lists stay 1-based as in the checkpoint;
+`layer_kinds` turns them into 0-based kinds. Keys that transformers' `PretrainedConfig`
+writes on every model (generation defaults and the like) are carried through untouched so
+`to_hf()` round-trips; any other unknown key is an error that names it, because a
+silently ignored architecture key is a silently wrong model.
+
+Runtime choices (dtypes, which KDA / MoE implementation, scanning) are not part of the
+checkpoint and live in `RuntimeOptions`, attached to the config as `cfg.runtime`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing or inconsistent; the message names it."""
+
+
+# Keys every transformers PretrainedConfig serialises; they do not change the architecture.
+_HF_GENERIC_KEYS = frozenset("""
+_name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens
+chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty
+do_sample dtype torch_dtype early_stopping encoder_no_repeat_ngram_size exponential_decay_length_penalty
+finetuning_task forced_bos_token_id forced_eos_token_id id2label label2id initializer_range
+is_decoder is_encoder_decoder length_penalty max_length min_length no_repeat_ngram_size
+num_beam_groups num_beams num_return_sequences output_attentions output_hidden_states
+output_scores prefix problem_type pruned_heads remove_invalid_values repetition_penalty
+return_dict return_dict_in_generate sep_token_id suppress_tokens task_specific_params
+temperature tf_legacy_loss tie_encoder_decoder tokenizer_class top_k top_p torchscript
+transformers_version typical_p use_bfloat16 use_cache quantization_config head_dim
+rope_theta rope_scaling model_max_length _attn_implementation ignore_index
+image_placeholder media_placeholder_token_id
+""".split())
+
+_LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
+                     "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate"}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to run the model; never written to config.json."""
+    dtype: str = "float32"            # activations / compute
+    param_dtype: str = "float32"      # bf16 for real checkpoints; fp32-only params stay fp32
+    kda_impl: str = "chunk"           # 'recurrent' | 'chunk' (see k3jax.ops.kda)
+    kda_chunk_size: int = 64
+    moe_dispatch: str = "ragged"      # 'dense' | 'ragged'
+    scan_layers: bool = True          # nn.scan over the repeated layer groups
+    remat: str = "none"               # 'none' | 'full' | 'dots'
+
+    def __post_init__(self):
+        _check(self.kda_impl in ("recurrent", "chunk"), "kda_impl", self.kda_impl)
+        _check(self.moe_dispatch in ("dense", "ragged"), "moe_dispatch", self.moe_dispatch)
+        _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
+        _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
+        for key in ("dtype", "param_dtype"):
+            _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))
+
+
+def _check(ok: bool, key: str, value: Any, why: str = "invalid value"):
+    if not ok:
+        raise ConfigError(f"config key {key!r}: {why} ({value!r})")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text tower (K3's `text_config`, or a whole `kimi_linear` config)."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    # KDA (linear_attn_config); layer lists are 1-based as in the checkpoint
+    kda_layers: tuple[int, ...]
+    full_attn_layers: tuple[int, ...]
+    kda_head_dim: int
+    kda_num_heads: int
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float | None = None
+    use_full_rank_gate: bool = False
+    # MLA
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    num_key_value_heads: int | None = None
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = False
+    # MoE
+    num_experts: int | None = None
+    num_experts_per_token: int | None = None
+    num_shared_experts: int = 0
+    moe_intermediate_size: int | None = None
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    moe_renormalize: bool = True
+    moe_router_activation_func: str = "sigmoid"
+    routed_scaling_factor: float = 1.0
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    num_expert_group: int = 1
+    topk_group: int = 1
+    use_grouped_topk: bool = True
+    topk_method: str = "noaux_tc"
+    # activations, residuals
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    attn_res_block_size: int | None = None
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    model_type: str = "kimi_linear"
+    # everything else from the HF dict, kept verbatim for to_hf()
+    hf_extra: dict = field(default_factory=dict, compare=False, repr=False)
+    hf_linear_attn_extra: dict = field(default_factory=dict, compare=False, repr=False)
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+
+    def __post_init__(self):
+        self._validate()
+
+    # ---- derived facts (one source: the fields above) -------------------------------
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """0-based attention kind per layer: 'kda' or 'mla'."""
+        kda = set(self.kda_layers)
+        return tuple("kda" if i + 1 in kda else "mla" for i in range(self.num_hidden_layers))
+
+    @property
+    def ffn_kinds(self) -> tuple[str, ...]:
+        """0-based feed-forward kind per layer: 'dense' or 'moe' (the reference's rule)."""
+        def is_moe(i):
+            return (self.num_experts is not None and i >= self.first_k_dense_replace
+                    and i % self.moe_layer_freq == 0)
+        return tuple("moe" if is_moe(i) else "dense" for i in range(self.num_hidden_layers))
+
+    @property
+    def use_attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def max_attn_res_blocks(self) -> int:
+        """Entries the AttnRes stack can hold: one push per block start."""
+        if not self.use_attn_res:
+            return 0
+        return -(-self.num_hidden_layers // self.attn_res_block_size)
+
+    @property
+    def use_latent_moe(self) -> bool:
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def moe_hidden_size(self) -> int:
+        return self.routed_expert_hidden_size if self.use_latent_moe else self.hidden_size
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return (self.moe_intermediate_size or 0) * self.num_shared_experts
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # Fixed by the reference code, not by config.json: its MLA latent norms are built with
+    # the default eps, and the KDA kernels L2-normalise q and k with this eps.
+    mla_norm_eps = 1e-6
+    kda_qk_l2_eps = 1e-6
+
+    @property
+    def mla_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def with_runtime(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, runtime=dataclasses.replace(self.runtime, **changes))
+
+    # ---- validation ------------------------------------------------------------------
+    def _validate(self):
+        L = self.num_hidden_layers
+        _check(L > 0, "num_hidden_layers", L)
+        for key in ("vocab_size", "hidden_size", "num_attention_heads", "kda_head_dim",
+                    "kda_num_heads", "short_conv_kernel_size", "kv_lora_rank", "v_head_dim",
+                    "qk_nope_head_dim", "max_position_embeddings"):
+            _check(isinstance(getattr(self, key), int) and getattr(self, key) > 0, key,
+                   getattr(self, key), "must be a positive integer")
+        _check(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", self.qk_rope_head_dim)
+        kda, full = list(self.kda_layers), list(self.full_attn_layers)
+        both = sorted(set(kda) & set(full))
+        _check(not both, "linear_attn_config.kda_layers", both, "layers listed as both KDA and full attention")
+        for key, lst in (("linear_attn_config.kda_layers", kda), ("linear_attn_config.full_attn_layers", full)):
+            _check(len(set(lst)) == len(lst), key, lst, "duplicate layers")
+            bad = [i for i in lst if not (isinstance(i, int) and 1 <= i <= L)]
+            _check(not bad, key, bad, f"layers are 1-based and must lie in 1..{L}")
+        missing = sorted(set(range(1, L + 1)) - set(kda) - set(full))
+        _check(not missing, "linear_attn_config", missing, "layers in neither kda_layers nor full_attn_layers")
+        _check(self.hidden_act in ("situ", "silu"), "hidden_act", self.hidden_act)
+        if self.hidden_act == "situ":
+            for key in ("activation_situ_beta", "activation_situ_linear_beta"):
+                v = getattr(self, key)
+                _check(v is None or v > 0, key, v, "must be positive")
+        _check(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func",
+               self.moe_router_activation_func, "only the sigmoid router is implemented")
+        if self.attn_res_block_size is not None:
+            _check(isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
+                   "attn_res_block_size", self.attn_res_block_size, "must be a positive integer")
+        nkv = self.num_key_value_heads or self.num_attention_heads
+        _check(self.num_attention_heads % nkv == 0, "num_key_value_heads", nkv,
+               f"must divide num_attention_heads={self.num_attention_heads}")
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", self.q_lora_rank)
+        _check(self.mla_use_nope, "mla_use_nope", self.mla_use_nope, "only NoPE MLA exists in Kimi models")
+        if self.gate_lower_bound is not None:
+            _check(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", self.gate_lower_bound,
+                   "must be negative")
+        if self.num_experts is not None:
+            E, k = self.num_experts, self.num_experts_per_token
+            _check(isinstance(E, int) and E > 0, "num_experts", E)
+            _check(isinstance(k, int) and 0 < k <= E, "num_experts_per_token", k,
+                   f"must lie in 1..num_experts={E}")
+            _check(self.moe_intermediate_size is not None and self.moe_intermediate_size > 0,
+                   "moe_intermediate_size", self.moe_intermediate_size)
+            _check(self.moe_layer_freq > 0, "moe_layer_freq", self.moe_layer_freq)
+            _check(E % self.num_expert_group == 0, "num_expert_group", self.num_expert_group,
+                   f"must divide num_experts={E}")
+            _check(self.num_expert_group == 1 or self.topk_group >= self.num_expert_group,
+                   "num_expert_group", self.num_expert_group, "grouped top-k routing is not used by Kimi models")
+            _check(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts)
+        if self.routed_expert_hidden_size is not None:
+            _check(self.routed_expert_hidden_size > 0, "routed_expert_hidden_size", self.routed_expert_hidden_size)
+        _check(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers", self.num_nextn_predict_layers,
+               "multi-token-prediction heads are not part of the released models")
+
+    # ---- HF dict <-> config -----------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict, runtime: RuntimeOptions | None = None) -> "ModelConfig":
+        """From a `config.json` path, a directory holding one, or its dict."""
+        hf = _read_json_or_dict(path_or_dict)
+        if hf.get("model_type") == "kimi_k3":
+            text = hf.get("text_config")
+            _check(isinstance(text, dict), "text_config", type(text).__name__, "kimi_k3 needs a text_config dict")
+            return cls._from_text_dict(text, runtime)
+        return cls._from_text_dict(hf, runtime)
+
+    @classmethod
+    def _from_text_dict(cls, d: dict, runtime: RuntimeOptions | None) -> "ModelConfig":
+        d = copy.deepcopy(d)
+        mt = d.get("model_type", "kimi_linear")
+        _check(mt == "kimi_linear", "model_type", mt, "expected 'kimi_linear' (or a 'kimi_k3' wrapper)")
+        lac = d.pop("linear_attn_config", None)
+        _check(isinstance(lac, dict), "linear_attn_config", lac, "KDA layers need a linear_attn_config dict")
+        unknown = sorted(set(lac) - _LINEAR_ATTN_KEYS)
+        _check(not unknown, f"linear_attn_config.{unknown[0] if unknown else ''}", unknown, "unknown key")
+        for key in ("kda_layers", "full_attn_layers", "head_dim", "num_heads"):
+            _check(key in lac, f"linear_attn_config.{key}", None, "missing")
+        names = {f.name for f in dataclasses.fields(cls)} - {
+            "kda_layers", "full_attn_layers", "kda_head_dim", "kda_num_heads", "short_conv_kernel_size",
+            "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "runtime"}
+        kwargs, extra = {}, {}
+        for key, value in d.items():
+            if key in names:
+                kwargs[key] = value
+            elif key in _HF_GENERIC_KEYS:
+                extra[key] = value
+            else:
+                raise ConfigError(f"config key {key!r}: unknown key (not part of the kimi_linear schema)")
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "rms_norm_eps", "hidden_act"):
+            _check(key in kwargs, key, None, "missing")
+        kwargs.setdefault("max_position_embeddings", 4096)  # the schema's default
+        lac_present = {k: lac[k] for k in ("short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate")
+                       if k in lac}
+        return cls(
+            kda_layers=tuple(lac["kda_layers"]), full_attn_layers=tuple(lac["full_attn_layers"]),
+            kda_head_dim=lac["head_dim"], kda_num_heads=lac["num_heads"], **lac_present, **kwargs,
+            hf_extra=extra, hf_linear_attn_extra={"_keys": [k for k in lac]},
+            runtime=runtime or RuntimeOptions())
+
+    def to_hf(self) -> dict:
+        """The `kimi_linear` dict (the K3 `text_config`); keys as the checkpoint writes them."""
+        skip = {"kda_layers", "full_attn_layers", "kda_head_dim", "kda_num_heads", "short_conv_kernel_size",
+                "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "runtime"}
+        out = dict(self.hf_extra)
+        for f in dataclasses.fields(self):
+            if f.name not in skip:
+                out[f.name] = getattr(self, f.name)
+        lac = {"kda_layers": list(self.kda_layers), "full_attn_layers": list(self.full_attn_layers),
+               "head_dim": self.kda_head_dim, "num_heads": self.kda_num_heads,
+               "short_conv_kernel_size": self.short_conv_kernel_size,
+               "gate_lower_bound": self.gate_lower_bound, "use_full_rank_gate": self.use_full_rank_gate}
+        keys = self.hf_linear_attn_extra.get("_keys")
+        if keys is not None:  # keep absent keys absent, as the source wrote them
+            lac = {k: lac[k] for k in keys}
+        out["linear_attn_config"] = lac
+        return out
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 and the projector (K3's `vision_config`)."""
+    patch_size: int = 14
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4
+    vt_num_attention_heads: int = 12
+    vt_num_hidden_layers: int = 27
+    vt_hidden_size: int = 1024
+    vt_intermediate_size: int = 4096
+    qkv_hidden_size: int = 1536
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    mm_hidden_size: int = 1024
+    text_hidden_size: int = 7168
+    projector_ln_eps: float = 1e-5
+    hf: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        for key in ("patch_size", "vt_num_attention_heads", "vt_num_hidden_layers", "vt_hidden_size",
+                    "vt_intermediate_size", "qkv_hidden_size", "text_hidden_size"):
+            _check(isinstance(getattr(self, key), int) and getattr(self, key) > 0,
+                   f"vision_config.{key}", getattr(self, key), "must be a positive integer")
+        _check(self.qkv_hidden_size % self.vt_num_attention_heads == 0, "vision_config.vt_num_attention_heads",
+               self.vt_num_attention_heads, f"must divide qkv_hidden_size={self.qkv_hidden_size}")
+        _check(self.mm_hidden_size == self.vt_hidden_size, "vision_config.mm_hidden_size", self.mm_hidden_size,
+               "must equal vt_hidden_size")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "VisionConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"hf"}
+        kwargs = {k: (tuple(v) if k == "merge_kernel_size" else v) for k, v in d.items() if k in names}
+        kwargs.setdefault("mm_hidden_size", kwargs.get("vt_hidden_size", 1024))
+        return cls(**kwargs, hf=copy.deepcopy(d))
+
+    def to_hf(self) -> dict:
+        out = copy.deepcopy(self.hf)
+        for f in dataclasses.fields(self):
+            if f.name != "hf" and (f.name in out or f.name != "mm_hidden_size"):
+                v = getattr(self, f.name)
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """A whole `kimi_k3` config: text tower, vision tower and the wrapper's own keys."""
+    text: ModelConfig
+    vision: VisionConfig | None
+    top: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, path_or_dict) -> "K3Config":
+        hf = _read_json_or_dict(path_or_dict)
+        if hf.get("model_type") != "kimi_k3":
+            return cls(ModelConfig.from_hf(hf), None, {})
+        top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+        unknown = sorted(k for k in top if k not in _HF_GENERIC_KEYS | {"model_type", "bos_token_id",
+                         "eos_token_id", "pad_token_id", "tie_word_embeddings"})
+        _check(not unknown, unknown[0] if unknown else "", unknown, "unknown top-level kimi_k3 key")
+        vision = VisionConfig.from_hf(hf["vision_config"]) if hf.get("vision_config") else None
+        return cls(ModelConfig.from_hf(hf["text_config"]), vision, copy.deepcopy(top))
+
+    def to_hf(self) -> dict:
+        if not self.top:
+            return self.text.to_hf()
+        out = copy.deepcopy(self.top)
+        out["text_config"] = self.text.to_hf()
+        if self.vision is not None:
+            out["vision_config"] = self.vision.to_hf()
+        return out
+
+
+def _read_json_or_dict(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        if path.endswith((".yaml", ".yml")):
+            d = yaml.safe_load(f)
+        else:
+            d = json.load(f)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: a config must be a mapping, got {type(d).__name__}")
+    return d
+
+
+def preset_path(name: str) -> str:
+    return os.path.join(CONFIG_DIR, f"{name}.yaml")
+
+
+def load_k3(name_or_path) -> K3Config:
+    """A preset name (`k3`, `kimi_linear_48b`, `toy`), a YAML preset, a config.json or its folder."""
+    p = os.fspath(name_or_path)
+    if not os.path.exists(p) and os.path.exists(preset_path(p)):
+        p = preset_path(p)
+    if not os.path.exists(p):
+        presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+        raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
+    return K3Config.from_hf(_read_json_or_dict(p))
+
+
+def load(name_or_path, **runtime) -> ModelConfig:
+    """The text-model config of a preset or file, with optional RuntimeOptions overrides."""
+    cfg = load_k3(name_or_path).text
+    return cfg.with_runtime(**runtime) if runtime else cfg

@@ -1,0 +1,221 @@
+"""The K3 text model: embedding → decoder layers → AttnRes output mix → norm → lm_head.
+
+Depth is a repeated group of layers (K3: [KDA, KDA, KDA, MLA]) between a few irregular
+ones (the dense layer 0, the final MLA). `layer_plan` finds that group; the repeated
+groups run under `nn.scan` over params stacked on a leading `layers` axis, the irregular
+ends are unrolled, so compile time does not grow with depth. The residual state — the
+partial sum and, with Block AttnRes, the fixed-size block stack and its count — is the
+scan carry; AttnRes pushes are decided from the (traced) layer index.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from k3jax.config import ModelConfig
+from k3jax.layers.attn_res import AttnRes, attn_res_mix, push_block
+from k3jax.layers.common import compute_dtype, constrain, dense, logical, param_dtype
+from k3jax.layers.kda import KimiDeltaAttention
+from k3jax.layers.mla import GatedMLA
+from k3jax.layers.mlp import GatedMLP
+from k3jax.layers.moe import StableLatentMoE
+from k3jax.layers.norms import RMSNorm
+
+
+class InputError(ValueError):
+    """Model inputs that cannot be run: wrong shape, ids out of range, too long."""
+
+
+# ---------------------------------------------------------------------------------------
+# Where the layers go
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerPlan:
+    """head (unrolled) + n_groups × group (scanned) + tail (unrolled), 0-based indices."""
+    head: tuple[int, ...]
+    group: tuple[tuple[str, str], ...]      # (attention kind, ffn kind) per layer in a group
+    group_start: int
+    n_groups: int
+    tail: tuple[int, ...]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group)
+
+
+def layer_plan(cfg: ModelConfig, max_period: int = 8) -> LayerPlan:
+    """The longest run of ≥ 2 identical consecutive layer groups. Ties prefer groups that
+    close on full attention (K3's [KDA, KDA, KDA, MLA]), then shorter periods."""
+    kinds = list(zip(cfg.layer_kinds, cfg.ffn_kinds))
+    L = len(kinds)
+    best_key, best = None, None
+    for p in range(1, min(max_period, L // 2) + 1) if cfg.runtime.scan_layers else ():
+        for start in range(L - 2 * p + 1):
+            group = kinds[start:start + p]
+            n = 1
+            while start + (n + 1) * p <= L and kinds[start + n * p:start + (n + 1) * p] == group:
+                n += 1
+            key = (n * p, group[-1][0] == "mla", -p, -start)
+            if n >= 2 and (best_key is None or key > best_key):
+                best_key, best = key, (p, start, n)
+    if best is None:
+        return LayerPlan(tuple(range(L)), (), L, 0, ())
+    p, start, n = best
+    return LayerPlan(tuple(range(start)), tuple(kinds[start:start + p]), start, n,
+                     tuple(range(start + n * p, L)))
+
+
+# ---------------------------------------------------------------------------------------
+# Residual state
+# ---------------------------------------------------------------------------------------
+class Residual(NamedTuple):
+    """p: the running partial sum [B, T, D] (the plain residual stream without AttnRes);
+    stack [N, B, T, D] and count: frozen block representations (empty without AttnRes)."""
+    p: jax.Array
+    stack: jax.Array
+    count: jax.Array
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    attn_kind: str
+    ffn_kind: str
+
+    @nn.compact
+    def __call__(self, res: Residual, segment_ids, layer_idx):
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        attn = (KimiDeltaAttention(cfg, name="self_attn") if self.attn_kind == "kda"
+                else GatedMLA(cfg, name="self_attn"))
+        ffn = (StableLatentMoE(cfg, name="block_sparse_moe") if self.ffn_kind == "moe"
+               else GatedMLP(cfg, cfg.intermediate_size, name="mlp"))
+        p, stack, count = res
+        if cfg.use_attn_res:
+            attn_in = AttnRes(eps, name="self_attention_res")(stack, count, p)
+            stack, count, p = push_block(stack, count, p, layer_idx % cfg.attn_res_block_size == 0)
+        else:
+            attn_in = p
+        p = p + attn(RMSNorm(eps, name="input_layernorm")(attn_in), segment_ids)
+        mlp_in = AttnRes(eps, name="mlp_res")(stack, count, p) if cfg.use_attn_res else p
+        p = p + ffn(RMSNorm(eps, name="post_attention_layernorm")(mlp_in))
+        p = constrain(p, ("batch", "length", "embed"))
+        return Residual(p, stack, count)
+
+
+def _remat(cls, cfg: ModelConfig):
+    if cfg.runtime.remat == "none":
+        return cls
+    policy = (jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+              if cfg.runtime.remat == "dots" else None)
+    return nn.remat(cls, policy=policy, static_argnums=())
+
+
+class LayerGroup(nn.Module):
+    """One repeated group; the scan body. Its sublayers are named by position in the group."""
+    cfg: ModelConfig
+    kinds: tuple[tuple[str, str], ...]
+
+    @nn.compact
+    def __call__(self, res: Residual, segment_ids, first_layer_idx):
+        layer_cls = _remat(DecoderLayer, self.cfg)
+        for j, (attn_kind, ffn_kind) in enumerate(self.kinds):
+            res = layer_cls(self.cfg, attn_kind, ffn_kind, name=f"sub_{j}")(res, segment_ids, first_layer_idx + j)
+        return res, None
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------
+class K3Model(nn.Module):
+    """`apply({'params': p}, tokens, segment_ids=None) -> logits [B, T, V] fp32`.
+
+    segment_ids [B, T] marks packed documents (equal ids = one document, contiguous): KDA
+    state and conv tails reset at each boundary and MLA never attends across one.
+    """
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, segment_ids=None):
+        cfg = self.cfg
+        validate_inputs(cfg, tokens, segment_ids)
+        plan = layer_plan(cfg)
+        emb = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
+                       embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")),
+                       name="embed_tokens")
+        h = constrain(emb(tokens), ("batch", "length", "embed"))
+        B, T, D = h.shape
+        n_blocks = cfg.max_attn_res_blocks
+        res = Residual(h, jnp.zeros((n_blocks, B, T, D), h.dtype), jnp.zeros((), jnp.int32))
+
+        layer_cls = _remat(DecoderLayer, cfg)
+        for i in plan.head:
+            res = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=f"layers_{i}")(res, segment_ids, i)
+        if plan.n_groups:
+            Scanned = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0},
+                              split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
+                              length=plan.n_groups, metadata_params={nn.PARTITION_NAME: "layers"})
+            firsts = plan.group_start + plan.group_size * jnp.arange(plan.n_groups, dtype=jnp.int32)
+            res, _ = Scanned(cfg, plan.group, name="groups")(res, segment_ids, firsts)
+        for i in plan.tail:
+            res = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=f"layers_{i}")(res, segment_ids, i)
+
+        h = (AttnRes(cfg.rms_norm_eps, name="output_attn_res")(res.stack, res.count, res.p)
+             if cfg.use_attn_res else res.p)
+        h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
+        if cfg.tie_word_embeddings:
+            logits = emb.attend(h)
+        else:
+            logits = dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")(h)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):
+    """Shape checks always (shapes are static); value checks when the ids are concrete,
+    i.e. before anything is traced or compiled."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise InputError(f"tokens must be [batch, length] integer ids, got shape {shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise InputError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if shape[1] > cfg.max_position_embeddings:
+        raise InputError(f"input length {shape[1]} exceeds max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(shape):
+        raise InputError(f"segment_ids shape {tuple(segment_ids.shape)} != tokens shape {tuple(shape)}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+        t = np.asarray(tokens)
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def init_params(cfg: ModelConfig, rng, batch: int = 1, length: int = 8):
+    """Random params (a plain pytree, logical-axis boxes removed)."""
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    init = jax.jit(lambda key: nn.unbox(K3Model(cfg).init(key, tokens)["params"]))
+    return init(rng)
+
+
+def abstract_params(cfg: ModelConfig):
+    """Param shapes and dtypes via `jax.eval_shape`: nothing is allocated."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    boxed = jax.eval_shape(lambda t: K3Model(cfg).init(jax.random.PRNGKey(0), t), tokens)["params"]
+    return boxed
+
+
+def forward(cfg: ModelConfig, params, tokens, segment_ids=None):
+    """fp32 logits for concrete inputs, validated before anything is compiled."""
+    validate_inputs(cfg, tokens, segment_ids)
+    return _forward_jit(cfg, params, tokens, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_jit(cfg, params, tokens, segment_ids):
+    return K3Model(cfg).apply({"params": params}, tokens, segment_ids)

@@ -1,0 +1,172 @@
+"""Kimi Delta Attention as a pure function (SPEC.md §3).
+
+Per head, with state S [K, V] and per token t (gate first, then the delta rule, and the
+output includes the current token):
+    S ← Diag(e^{g_t}) S;   S ← S + (β_t k_t) ⊗ (v_t − Sᵀ k_t);   o_t = Sᵀ (scale · q_t)
+— exactly flash-linear-attention's `naive_recurrent_kda`, so the two compare directly.
+
+Implementations (all compute in fp32 and agree to the tolerances in DESIGN.md):
+  "recurrent"  a `lax.scan` over tokens; the oracle, deliberately plain.
+  "chunk"      the chunkwise UT/WY form (kda_chunk.py): batched matmuls per chunk and a
+               `lax.scan` over chunks carrying the state.
+`kda_step` is the one-token decode update of the same recurrence.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops import kda_chunk
+
+IMPLS = ("recurrent", "chunk")
+
+_PREC = jax.lax.Precision.HIGHEST
+
+
+def _check_shape(name, x, shape):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"kda: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+def _validate(q, k, v, g, beta, initial_state, segment_ids):
+    if q.ndim != 4:
+        raise ValueError(f"kda: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    _check_shape("k", k, q.shape)
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"kda: v has shape {tuple(v.shape)}, expected ({B}, {T}, {H}, V)")
+    _check_shape("g", g, q.shape)
+    _check_shape("beta", beta, (B, T, H))
+    if initial_state is not None:
+        _check_shape("initial_state", initial_state, (B, H, K, v.shape[-1]))
+    if segment_ids is not None:
+        _check_shape("segment_ids", segment_ids, (B, T))
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"kda: segment_ids must be integer, got {segment_ids.dtype}")
+
+
+def _resets(segment_ids, B, T):
+    """[B, T] bool: the state restarts from zero before this token."""
+    if segment_ids is None:
+        return jnp.zeros((B, T), dtype=bool)
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    # t = 0 never resets: initial_state belongs to the first document.
+    return jnp.concatenate([jnp.zeros((B, 1), dtype=bool), changed], axis=1)
+
+
+def _delta_update(S, q, k, v, g, beta):
+    """One token for every (batch, head): fp32 arrays, q pre-scaled. Returns (S, o)."""
+    S = S * jnp.exp(g)[..., None]
+    k_S = jnp.einsum("bhk,bhkv->bhv", k, S, precision=_PREC)
+    S = S + jnp.einsum("bhk,bhv->bhkv", beta[..., None] * k, v - k_S, precision=_PREC)
+    o = jnp.einsum("bhk,bhkv->bhv", q, S, precision=_PREC)
+    return S, o
+
+
+def _recurrent(q, k, v, g, beta, initial_state, reset):
+    def step(S, x):
+        q_t, k_t, v_t, g_t, b_t, r_t = x
+        S = jnp.where(r_t[:, None, None, None], 0.0, S)
+        return _delta_update(S, q_t, k_t, v_t, g_t, b_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, reset))
+    S, o = jax.lax.scan(step, initial_state, xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+def kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    impl="chunk",
+    chunk_size=64,
+):
+    """Kimi Delta Attention over a sequence.
+
+    Args:
+      q, k: [B, T, H, K], already L2-normalised per head.
+      v: [B, T, H, V].
+      g: [B, T, H, K] natural-log per-channel decay (<= 0).
+      beta: [B, T, H], already through the sigmoid.
+      scale: applied to q; defaults to K ** -0.5.
+      initial_state: [B, H, K, V], the state before t = 0 (first document only).
+      output_final_state: also return the state after the last token.
+      segment_ids: [B, T] int, packed documents; the state restarts from zero wherever
+        the id differs from the previous token's.
+      impl: "recurrent" (oracle) or "chunk".
+      chunk_size: tokens per chunk for impl="chunk"; T need not be a multiple of it.
+
+    Returns:
+      (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"kda: unknown impl {impl!r}; expected one of {IMPLS}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    _validate(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K = q.shape
+    out_dtype = v.dtype
+    if scale is None:
+        scale = K**-0.5
+
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+    else:
+        h0 = f32(initial_state)
+    reset = _resets(segment_ids, B, T)
+
+    if impl == "recurrent":
+        o, h = _recurrent(q, k, v, g, beta, h0, reset)
+    else:
+        o, h = kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    return o.astype(out_dtype), (h if output_final_state else None)
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One decode token: q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V].
+
+    Returns (o [B, H, V] in v's dtype, new state fp32).
+    """
+    if q.ndim != 3:
+        raise ValueError(f"kda_step: q must be [B, H, K], got shape {tuple(q.shape)}")
+    B, H, K = q.shape
+    for name, x, shape in (
+        ("k", k, (B, H, K)),
+        ("g", g, (B, H, K)),
+        ("beta", beta, (B, H)),
+        ("state", state, (B, H, K, v.shape[-1])),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"kda_step: {name} has shape {tuple(x.shape)}, expected {shape}")
+    if v.ndim != 3 or tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"kda_step: v has shape {tuple(v.shape)}, expected ({B}, {H}, V)")
+    if scale is None:
+        scale = K**-0.5
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    S, o = _delta_update(f32(state), f32(q) * scale, f32(k), f32(v), f32(g), f32(beta))
+    return o.astype(v.dtype), S
+
+
+def chunk_transitions(k, v, g, beta, *, segment_ids=None, chunk_size=64):
+    """Per-chunk affine state maps h ↦ M h + N (SPEC.md §3, associative form).
+
+    k [B,T,H,K], v [B,T,H,V], g [B,T,H,K], beta [B,T,H]; T is zero-padded to a multiple of
+    chunk_size (padding is the identity map). Returns M [B,H,N,K,K] and N [B,H,N,K,V], fp32.
+    Compose (earlier a, later b) as (M_b M_a, M_b N_a + N_b).
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    _validate(k, k, v, g, beta, None, segment_ids)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    reset = _resets(segment_ids, k.shape[0], k.shape[1])
+    return kda_chunk.chunk_transitions(f32(k), f32(v), f32(g), f32(beta), reset, chunk_size)
