@@ -130,6 +130,7 @@ class ModelConfig:
     # everything else from the HF dict, kept verbatim for to_hf()
     hf_extra: dict = field(default_factory=dict, compare=False, repr=False)
     hf_linear_attn_extra: dict = field(default_factory=dict, compare=False, repr=False)
+    hf_keys: tuple = field(default=(), compare=False, repr=False)  # keys the source dict had
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
 
     def __post_init__(self):
@@ -271,7 +272,7 @@ class ModelConfig:
             _check(key in lac, f"linear_attn_config.{key}", None, "missing")
         names = {f.name for f in dataclasses.fields(cls)} - {
             "kda_layers", "full_attn_layers", "kda_head_dim", "kda_num_heads", "short_conv_kernel_size",
-            "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "runtime"}
+            "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "hf_keys", "runtime"}
         kwargs, extra = {}, {}
         for key, value in d.items():
             if key in names:
@@ -289,17 +290,20 @@ class ModelConfig:
         return cls(
             kda_layers=tuple(lac["kda_layers"]), full_attn_layers=tuple(lac["full_attn_layers"]),
             kda_head_dim=lac["head_dim"], kda_num_heads=lac["num_heads"], **lac_present, **kwargs,
-            hf_extra=extra, hf_linear_attn_extra={"_keys": [k for k in lac]},
+            hf_extra=extra, hf_linear_attn_extra={"_keys": [k for k in lac]}, hf_keys=tuple(d),
             runtime=runtime or RuntimeOptions())
 
     def to_hf(self) -> dict:
         """The `kimi_linear` dict (the K3 `text_config`); keys as the checkpoint writes them."""
         skip = {"kda_layers", "full_attn_layers", "kda_head_dim", "kda_num_heads", "short_conv_kernel_size",
-                "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "runtime"}
+                "gate_lower_bound", "use_full_rank_gate", "hf_extra", "hf_linear_attn_extra", "hf_keys", "runtime"}
         out = dict(self.hf_extra)
         for f in dataclasses.fields(self):
-            if f.name not in skip:
-                out[f.name] = getattr(self, f.name)
+            value = getattr(self, f.name)
+            # keys the source left out stay out, unless they now differ from the schema default
+            if f.name not in skip and (f.name in self.hf_keys or not self.hf_keys
+                                       or f.default is dataclasses.MISSING or value != f.default):
+                out[f.name] = value
         lac = {"kda_layers": list(self.kda_layers), "full_attn_layers": list(self.full_attn_layers),
                "head_dim": self.kda_head_dim, "num_heads": self.kda_num_heads,
                "short_conv_kernel_size": self.short_conv_kernel_size,
@@ -377,6 +381,11 @@ class K3Config:
         _check(not unknown, unknown[0] if unknown else "", unknown, "unknown top-level kimi_k3 key")
         vision = VisionConfig.from_hf(hf["vision_config"]) if hf.get("vision_config") else None
         return cls(ModelConfig.from_hf(hf["text_config"]), vision, copy.deepcopy(top))
+
+    @property
+    def layout(self) -> str:
+        """Checkpoint name layout: 'k3' (language_model.*) or 'kimi_linear' (model.*)."""
+        return "k3" if self.top else "kimi_linear"
 
     def to_hf(self) -> dict:
         if not self.top:

@@ -117,7 +117,6 @@ def rel_max(a, b):
 
 # (T, H, K, V, chunk_size, gate, initial_state, segments)
 FORWARD_CASES = [
-    (1, 1, 16, 16, 64, "safe", False, False),
     (1, 4, 64, 64, 16, "softplus", True, True),
     (63, 1, 16, 16, 16, "near0", True, False),
     (63, 4, 64, 64, 64, "near5", False, True),
@@ -127,7 +126,6 @@ FORWARD_CASES = [
     (65, 1, 64, 64, 64, "softplus", False, True),
     (200, 4, 64, 64, 64, "safe", True, True),
     (200, 1, 16, 16, 16, "softplus", True, True),
-    (200, 4, 16, 16, 64, "near0", False, False),
     (200, 1, 64, 64, 16, "near5", True, True),
     (130, 2, 32, 16, 64, "softplus", True, True),  # V != K
 ]
@@ -136,7 +134,7 @@ FORWARD_CASES = [
 @pytest.mark.parametrize(
     "T,H,K,V,C,gate,use_h0,use_seg",
     FORWARD_CASES,
-    ids=[f"T{c[0]}-H{c[1]}-K{c[2]}-V{c[3]}-C{c[4]}-{c[5]}-h0{int(c[6])}-seg{int(c[7])}" for c in FORWARD_CASES],
+    ids=["T{}-H{}-K{}-V{}-C{}-{}-h0{:d}-seg{:d}".format(*c) for c in FORWARD_CASES],
 )
 def test_forward_against_references(T, H, K, V, C, gate, use_h0, use_seg):
     B = 2
@@ -220,11 +218,15 @@ def test_gradients_finite_with_extreme_gates():
     x = make_inputs(3, B, T, H, K)
     x["g"] = np.where(np.arange(T)[None, :, None, None] % 3 == 0, -300.0, -0.01).astype(np.float32)
     x["g"] = x["g"] * np.ones((B, T, H, K), np.float32)
-    o, s = kda_jit(**x, chunk_size=C, output_final_state=True)
-    o_rec, _ = kda_jit(**x, impl="recurrent", output_final_state=True)
-    assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
+    o_rec, _ = kda_jit(**x, impl="recurrent")
+
+    def loss(*args):
+        o, _ = kda(*args, chunk_size=C)
+        return jnp.sum(o**2), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(*x.values())
+    assert np.all(np.isfinite(o))
     assert rel_rms(o, o_rec) <= 1e-4
-    grads = jax.grad(lambda *a: jnp.sum(kda(*a, chunk_size=C)[0] ** 2), argnums=tuple(range(5)))(*x.values())
     for gr in grads:
         assert np.all(np.isfinite(gr))
 
@@ -273,17 +275,18 @@ def test_chunk_transitions_compose_to_final_state():
     B, T, H, K, V, C = 2, 90, 2, 16, 8, 32
     x = make_inputs(13, B, T, H, K, V, gate="softplus")
     h0 = make_state(13, B, H, K, V)
-    for seg in (None, make_segments(13, B, T, C)):
-        _, s_ref = kda_jit(**x, initial_state=h0, segment_ids=seg, output_final_state=True, impl="recurrent")
-        m, n = chunk_transitions(x["k"], x["v"], x["g"], x["beta"], segment_ids=seg, chunk_size=C)
-        assert m.shape == (B, H, 3, K, K) and n.shape == (B, H, 3, K, V)
+    seg = make_segments(13, B, T, C)
+    _, s_ref = kda_jit(**x, initial_state=h0, segment_ids=seg, output_final_state=True, impl="recurrent")
+    transitions = jax.jit(chunk_transitions, static_argnames="chunk_size")
+    m, n = transitions(x["k"], x["v"], x["g"], x["beta"], segment_ids=seg, chunk_size=C)
+    assert m.shape == (B, H, 3, K, K) and n.shape == (B, H, 3, K, V)
 
-        def compose(a, b):  # a earlier, b later
-            return b[0] @ a[0], b[0] @ a[1] + b[1]
+    def compose(a, b):  # a earlier, b later
+        return b[0] @ a[0], b[0] @ a[1] + b[1]
 
-        m_all, n_all = jax.lax.associative_scan(compose, (m, n), axis=2)
-        s = m_all[:, :, -1] @ h0 + n_all[:, :, -1]
-        assert rel_rms(s, s_ref) <= 1e-4
+    m_all, n_all = jax.lax.associative_scan(compose, (m, n), axis=2)
+    s = m_all[:, :, -1] @ h0 + n_all[:, :, -1]
+    assert rel_rms(s, s_ref) <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------

@@ -147,3 +147,17 @@ def tensor_map(cfg: ModelConfig, layout: str = "k3", dense_mlp_name: str = "mlp"
     if not cfg.tie_word_embeddings:
         out.append(TensorEntry(head, ("lm_head", "kernel"), (), "T"))
     return out
+
+
+def stored_shape(entry: TensorEntry, slot_shape: tuple[int, ...], cfg: ModelConfig, layout: str) -> tuple[int, ...]:
+    """The checkpoint shape of an entry whose tree slot has `slot_shape` (experts unpacked)."""
+    t = entry.transform
+    if t in ("T", "expertT"):
+        return tuple(reversed(slot_shape))
+    if t == "conv":
+        return (slot_shape[1], 1, slot_shape[0])
+    if t == "row":
+        return (1, slot_shape[0])
+    if t == "a_log":  # K3 zero-pads the per-head vector to head_dim; Kimi-Linear keeps [1, 1, H, 1]
+        return (max(slot_shape[0], cfg.kda_head_dim),) if layout == "k3" else (1, 1, slot_shape[0], 1)
+    return tuple(slot_shape)

@@ -29,9 +29,9 @@ def _check_shape(name, x, shape):
         raise ValueError(f"kda: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
 
 
-def _validate(q, k, v, g, beta, initial_state, segment_ids):
+def _validate(q, k, v, g, beta, initial_state, segment_ids, first="q"):
     if q.ndim != 4:
-        raise ValueError(f"kda: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+        raise ValueError(f"kda: {first} must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     _check_shape("k", k, q.shape)
     if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
@@ -166,7 +166,7 @@ def chunk_transitions(k, v, g, beta, *, segment_ids=None, chunk_size=64):
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
-    _validate(k, k, v, g, beta, None, segment_ids)
+    _validate(k, k, v, g, beta, None, segment_ids, first="k")
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     reset = _resets(segment_ids, k.shape[0], k.shape[1])
     return kda_chunk.chunk_transitions(f32(k), f32(v), f32(g), f32(beta), reset, chunk_size)
