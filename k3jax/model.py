@@ -196,11 +196,74 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):
             raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def init_params(cfg: ModelConfig, rng, batch: int = 1, length: int = 8):
-    """Random params (a plain pytree, logical-axis boxes removed)."""
-    tokens = jnp.zeros((batch, length), jnp.int32)
-    init = jax.jit(lambda key: nn.unbox(K3Model(cfg).init(key, tokens)["params"]))
-    return init(rng)
+class _TopLevel(nn.Module):
+    """The params outside the decoder layers, for `init_params`; same names as K3Model."""
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, h):
+        cfg = self.cfg
+        nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype(cfg),
+                 embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")), name="embed_tokens")(
+            jnp.zeros(h.shape[:2], jnp.int32))
+        if cfg.use_attn_res:
+            AttnRes(cfg.rms_norm_eps, name="output_attn_res")(None, 0, h)
+        h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
+        if not cfg.tie_word_embeddings:
+            dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")(h)
+
+
+def _init_seed(rng, i: int):
+    """uint32[4] seed material for part i, derived from the caller's key (any impl)."""
+    key = jax.random.fold_in(rng, i)
+    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    data = data.reshape(-1).astype(jnp.uint32)
+    return jnp.concatenate([data, data ^ jnp.uint32(0x9E3779B9)])[:4]
+
+
+def _init_key(seed):
+    # Init draws dozens of independent streams per layer; threefry's hash costs ~3x the
+    # XLA CPU compile time of the RngBitGenerator behind 'unsafe_rbg', and init needs no
+    # more than well-spread, reproducible values.
+    return jax.random.wrap_key_data(seed, impl="unsafe_rbg")
+
+
+def init_params(cfg: ModelConfig, rng, length: int = 1):
+    """Random params (a plain pytree, logical-axis boxes removed), shaped like `K3Model`'s.
+
+    Layers are initialised per kind — every (attention, ffn) kind once, vmapped over all
+    layers of that kind — instead of through one `K3Model.init`: random-number code is
+    costly to compile on CPU, and this compiles it once per kind instead of once per
+    unrolled layer. Layer i draws from a key derived from fold_in(rng, i), so values do
+    not depend on the scan plan.
+    """
+    plan = layer_plan(cfg)
+    D = cfg.hidden_size
+    h = jnp.zeros((1, length, D), compute_dtype(cfg))
+    res = Residual(h, jnp.zeros((cfg.max_attn_res_blocks, 1, length, D), h.dtype), jnp.zeros((), jnp.int32))
+
+    layers: dict[int, dict] = {}
+    by_kind: dict[tuple[str, str], list[int]] = {}
+    for i, kind in enumerate(zip(cfg.layer_kinds, cfg.ffn_kinds)):
+        by_kind.setdefault(kind, []).append(i)
+    for (attn_kind, ffn_kind), idx in by_kind.items():
+        layer = DecoderLayer(cfg, attn_kind, ffn_kind)
+        seeds = jnp.stack([_init_seed(rng, i) for i in idx])
+        stacked = jax.jit(jax.vmap(lambda s: nn.unbox(layer.init(_init_key(s), res, None, 0)["params"])))(seeds)
+        for n, i in enumerate(idx):
+            layers[i] = jax.tree.map(lambda x: x[n], stacked)
+
+    top_seed = _init_seed(rng, cfg.num_hidden_layers)
+    params = jax.jit(lambda s: nn.unbox(_TopLevel(cfg).init(_init_key(s), h)["params"]))(top_seed)
+    params = dict(params)
+    for i in plan.head + plan.tail:
+        params[f"layers_{i}"] = layers[i]
+    if plan.n_groups:
+        params["groups"] = {
+            f"sub_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                     *[layers[plan.group_start + g * plan.group_size + j] for g in range(plan.n_groups)])
+            for j in range(plan.group_size)}
+    return params
 
 
 def abstract_params(cfg: ModelConfig):

@@ -26,9 +26,10 @@ def attn_res_mix(stack, count, p, norm_w, proj_w, eps: float):
     w = norm_w.astype(jnp.float32) * proj_w.astype(jnp.float32)
     pf = p.astype(jnp.float32)
     s_p = jnp.einsum("btd,d->bt", rms_normalize(pf, eps), w, precision=HIGHEST)
-    sf = stack.astype(jnp.float32)
-    s_stack = jnp.einsum("nbtd,d->nbt", rms_normalize(sf, eps), w, precision=HIGHEST)
     valid = (jnp.arange(stack.shape[0]) < count)[:, None, None]
+    # zero the unused slots too: a weight of 0 times a NaN left in a slot is still NaN
+    sf = jnp.where(valid[..., None], stack.astype(jnp.float32), 0.0)
+    s_stack = jnp.einsum("nbtd,d->nbt", rms_normalize(sf, eps), w, precision=HIGHEST)
     s_stack = jnp.where(valid, s_stack, -jnp.inf)
     m = jnp.maximum(jnp.max(s_stack, axis=0), s_p)
     e_stack = jnp.where(valid, jnp.exp(s_stack - m), 0.0)

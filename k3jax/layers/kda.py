@@ -9,7 +9,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
@@ -33,6 +32,9 @@ def causal_conv_silu(x, kernel, segment_ids=None, tail=None):
     """
     W = kernel.shape[0]
     B, T, C = x.shape
+    # a carried tail continues the document of the first token; without one, the taps
+    # before t=0 see padding that matches no document
+    before = -1 if tail is None or segment_ids is None else segment_ids[:, :1]
     if tail is None:
         tail = jnp.zeros((B, W - 1, C), x.dtype)
     xe = jnp.concatenate([tail.astype(x.dtype), x], axis=1).astype(jnp.float32)
@@ -42,7 +44,8 @@ def causal_conv_silu(x, kernel, segment_ids=None, tail=None):
         shift = W - 1 - j
         tap = xe[:, j:j + T] * kf[j]
         if segment_ids is not None and shift:
-            prev = jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :T]
+            prev = jnp.concatenate([jnp.broadcast_to(before, (B, shift)).astype(segment_ids.dtype),
+                                    segment_ids], axis=1)[:, :T]
             tap = jnp.where((prev == segment_ids)[..., None], tap, 0.0)
         y = y + tap
     return jax.nn.silu(y), xe[:, T:].astype(x.dtype)
