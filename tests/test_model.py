@@ -168,3 +168,14 @@ def test_bad_inputs_raise_before_compiling(monkeypatch):
         M.forward(TOY, params, np.zeros((1, 4), np.float32))
     with pytest.raises(M.InputError, match="segment_ids"):
         M.forward(TOY, params, np.zeros((1, 4), np.int32), np.zeros((1, 5), np.int32))
+
+
+def test_init_params_matches_the_module_tree():
+    """The per-kind initialiser builds exactly the tree K3Model.init would."""
+    params = toy_params()
+    abstract = nn.unbox(M.abstract_params(TOY))
+    assert jax.tree.structure(params) == jax.tree.structure(abstract)
+    for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
+        assert p.shape == a.shape and p.dtype == a.dtype
+    q = params["groups"]["sub_0"]["self_attn"]["q_proj"]["kernel"]
+    assert not np.allclose(q[0], q[1])  # every stacked layer draws its own values
