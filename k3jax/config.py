@@ -48,20 +48,25 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
                      "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate"}
 
 
+KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
+MOE_DISPATCHES = ("dense", "ragged", "ep")
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How to run the model; never written to config.json."""
     dtype: str = "float32"            # activations / compute
     param_dtype: str = "float32"      # bf16 for real checkpoints; fp32-only params stay fp32
-    kda_impl: str = "chunk"           # 'recurrent' | 'chunk' (see k3jax.ops.kda)
+    kda_impl: str = "chunk"           # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
     kda_chunk_size: int = 64
-    moe_dispatch: str = "ragged"      # 'dense' | 'ragged'
+    moe_dispatch: str = "ragged"      # 'dense' | 'ragged' | 'ep'
     scan_layers: bool = True          # nn.scan over the repeated layer groups
     remat: str = "none"               # 'none' | 'full' | 'dots'
 
     def __post_init__(self):
-        _check(self.kda_impl in ("recurrent", "chunk"), "kda_impl", self.kda_impl)
-        _check(self.moe_dispatch in ("dense", "ragged"), "moe_dispatch", self.moe_dispatch)
+        _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
+        _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
+               f"expected one of {MOE_DISPATCHES}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
         _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
         for key in ("dtype", "param_dtype"):
@@ -365,10 +370,14 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class K3Config:
-    """A whole `kimi_k3` config: text tower, vision tower and the wrapper's own keys."""
+    """A whole `kimi_k3` config: text tower, vision tower and the wrapper's own keys.
+
+    `train` holds a YAML preset's `train:` section (k3jax's own, never in config.json).
+    """
     text: ModelConfig
     vision: VisionConfig | None
     top: dict = field(default_factory=dict, compare=False, repr=False)
+    train: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "K3Config":
@@ -425,7 +434,10 @@ def load_k3(name_or_path) -> K3Config:
     if not os.path.exists(p):
         presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
-    return K3Config.from_hf(_read_json_or_dict(p))
+    d = dict(_read_json_or_dict(p))
+    train = d.pop("train", None) or {}
+    _check(isinstance(train, dict), "train", type(train).__name__, "the train section must be a mapping")
+    return dataclasses.replace(K3Config.from_hf(d), train=train)
 
 
 def load(name_or_path, **runtime) -> ModelConfig:
