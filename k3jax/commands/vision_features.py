@@ -1,0 +1,90 @@
+"""`k3jax vision-features DIR (--pixels P.npy --grids G.npy | --image FILE...) --out F.npy`.
+
+Projector output rows (float32 [Σ rows, text_hidden_size], image after image) of the vision
+tower + merger + projector whose weights live in the HF safetensors directory DIR.
+`--pixels` takes pre-patchified pixels in the reference's layout ([num_patches, 3, P, P],
+see shared/fixtures/fixture_v/README.md) with their grid_thws [num_images, 3]; `--image`
+decodes, resizes, normalises and patchifies image files as the K3 processor does.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def register(sub):
+    p = sub.add_parser("vision-features", help="image features (vision tower + projector) from an HF checkpoint")
+    p.add_argument("dir", help="HF checkpoint directory: config.json with vision_config + safetensors")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pixels", help="float .npy [num_patches, 3, P, P], normalised, reference layout")
+    src.add_argument("--image", nargs="+", metavar="FILE", help="image files to preprocess")
+    p.add_argument("--grids", help="int .npy [num_images, 3] (t, h, w) in patches; required with --pixels")
+    p.add_argument("--out", required=True, help="output .npy, float32 [rows, text_hidden_size]")
+    p.add_argument("--grids-out", help="with --image: also save the computed grid_thws here")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.set_defaults(fn=run)
+
+
+def _atomic_save(path: str, arr) -> None:
+    """np.save to a temporary name in the same folder, then rename: never a half-written file."""
+    import numpy as np
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path if path.endswith(".npy") else path + ".npy")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load_array(path: str, what: str):
+    import numpy as np
+    arr = np.load(path, allow_pickle=False)
+    if not isinstance(arr, np.ndarray):
+        keys = list(arr.keys())
+        arr.close()
+        raise ValueError(f"{what} {path}: expected one .npy array, got an .npz archive with keys {keys}")
+    return arr
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from k3jax.config import ConfigError, VisionConfig
+    from k3jax.layers.vision import check_grids, rows_per_image, vision_features
+    from k3jax.vision.preprocess import MediaConfig, preprocess_images
+    from k3jax.vision.vision_names import load_vision_params
+
+    cfg_path = os.path.join(args.dir, "config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    if not hf.get("vision_config"):
+        raise ConfigError(f"{cfg_path}: no vision_config (not a K3 checkpoint with a vision tower)")
+    vcfg = VisionConfig.from_hf(hf["vision_config"])
+
+    if args.pixels:
+        if not args.grids:
+            raise ValueError("--pixels needs --grids GRID_THWS.npy")
+        pixels, grids = _load_array(args.pixels, "--pixels"), _load_array(args.grids, "--grids")
+    else:
+        if args.grids:
+            raise ValueError("--grids goes with --pixels; --image computes the grids itself")
+        mc = MediaConfig.from_dir(args.dir)
+        if mc.patch_size != vcfg.patch_size or (mc.merge_kernel_size,) * 2 != tuple(vcfg.merge_kernel_size):
+            raise ConfigError(f"preprocessor_config.json (patch {mc.patch_size}, merge {mc.merge_kernel_size}) "
+                              f"disagrees with vision_config (patch {vcfg.patch_size}, merge "
+                              f"{tuple(vcfg.merge_kernel_size)})")
+        pixels, grids = preprocess_images(args.image, mc)
+        if args.grids_out:
+            _atomic_save(args.grids_out, grids)
+
+    g = check_grids(vcfg, grids)
+    params = load_vision_params(vcfg, args.dir, np.float32)
+    feats = np.asarray(vision_features(vcfg, params, pixels, g, dtype=jnp.dtype(args.dtype)), np.float32)
+    _atomic_save(args.out, feats)
+    rows = rows_per_image(vcfg, g)
+    print(f"{len(g)} image(s), grids {[list(x) for x in g]} -> rows {rows}; features {feats.shape} -> {args.out}")
+    return 0

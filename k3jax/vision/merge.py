@@ -1,0 +1,42 @@
+"""Writing image features into the text embedding stream.
+
+The reference model expands each single `<|media_pad|>` into the image's rows inside its
+forward, which changes the sequence length there. k3jax expands on the token side instead
+(`k3jax.vision.preprocess.expand_media_pads`), so shapes are fixed before jit and the model
+only overwrites rows: the k-th `<|media_pad|>` position (row-major over the batch) receives
+feature row k, images in order.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.layers.vision import VisionInputError
+
+
+def merge_image_features(token_embeddings, tokens, features, media_pad_id: int):
+    """token_embeddings [..., T, D] with its `<|media_pad|>` rows replaced by `features` [N, D].
+
+    `tokens` [..., T] must already be expanded (one pad per feature row). With concrete tokens
+    the pad count is checked against N; under jit it cannot be, so callers that trace must
+    guarantee it (surplus feature rows are ignored, missing ones would repeat the last row).
+    """
+    emb = jnp.asarray(token_embeddings)
+    if emb.ndim < 2 or tuple(jnp.shape(tokens)) != emb.shape[:-1]:
+        raise VisionInputError(f"tokens {tuple(jnp.shape(tokens))} must match token_embeddings "
+                               f"{emb.shape} without its last (feature) axis")
+    if features.ndim != 2 or features.shape[-1] != emb.shape[-1]:
+        raise VisionInputError(f"features must be [num_rows, {emb.shape[-1]}], got {tuple(features.shape)}")
+    if not isinstance(tokens, jax.core.Tracer):
+        n_pad = int(np.sum(np.asarray(tokens) == media_pad_id))
+        if n_pad != features.shape[0]:
+            raise VisionInputError(f"{n_pad} <|media_pad|> ({media_pad_id}) positions but {features.shape[0]} "
+                                   f"feature rows; expand the pads with expand_media_pads first")
+    if features.shape[0] == 0:
+        return emb
+    mask = (jnp.asarray(tokens) == media_pad_id).reshape(-1)
+    row = jnp.clip(jnp.cumsum(mask) - 1, 0, features.shape[0] - 1)
+    flat = emb.reshape(-1, emb.shape[-1])
+    out = jnp.where(mask[:, None], jnp.asarray(features).astype(emb.dtype)[row], flat)
+    return out.reshape(emb.shape)
