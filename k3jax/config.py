@@ -44,6 +44,21 @@ rope_theta rope_scaling model_max_length _attn_implementation ignore_index
 image_placeholder media_placeholder_token_id
 """.split())
 
+# Keys transformers' own `kimi_linear` config writes that restate other keys or fixed
+# defaults. They are accepted (and written back) only when they agree with what they restate.
+_TRANSFORMERS_RESTATED = {
+    "layer_types": lambda c: ["linear_attention" if k == "kda" else "full_attention" for k in c.layer_kinds],
+    "mlp_layer_types": lambda c: ["sparse" if k == "moe" else "dense" for k in c.ffn_kinds],
+    "linear_conv_kernel_dim": lambda c: c.short_conv_kernel_size,
+    "linear_head_dim": lambda c: c.kda_head_dim,
+    "linear_num_heads": lambda c: c.kda_num_heads,
+    "qk_head_dim": lambda c: c.q_head_dim,
+    "attention_bias": lambda c: False,
+    "attention_dropout": lambda c: 0.0,
+    "pretraining_tp": lambda c: 1,
+    "output_router_logits": lambda c: False,
+}
+
 _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
                      "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate"}
 
@@ -250,6 +265,10 @@ class ModelConfig:
             _check(self.num_shared_experts >= 0, "num_shared_experts", self.num_shared_experts)
         if self.routed_expert_hidden_size is not None:
             _check(self.routed_expert_hidden_size > 0, "routed_expert_hidden_size", self.routed_expert_hidden_size)
+        for key, derive in _TRANSFORMERS_RESTATED.items():
+            if key in self.hf_extra:
+                _check(self.hf_extra[key] == derive(self), key, self.hf_extra[key],
+                       f"disagrees with the keys it restates (expected {derive(self)!r})")
         _check(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers", self.num_nextn_predict_layers,
                "multi-token-prediction heads are not part of the released models")
 
@@ -282,14 +301,15 @@ class ModelConfig:
         for key, value in d.items():
             if key in names:
                 kwargs[key] = value
-            elif key in _HF_GENERIC_KEYS:
+            elif key in _HF_GENERIC_KEYS or key in _TRANSFORMERS_RESTATED:
                 extra[key] = value
             else:
                 raise ConfigError(f"config key {key!r}: unknown key (not part of the kimi_linear schema)")
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "rms_norm_eps", "hidden_act"):
             _check(key in kwargs, key, None, "missing")
-        kwargs.setdefault("max_position_embeddings", 4096)  # the schema's default
+        # the schema's default; configs that only state model_max_length mean that limit
+        kwargs.setdefault("max_position_embeddings", extra.get("model_max_length", 4096))
         lac_present = {k: lac[k] for k in ("short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate")
                        if k in lac}
         return cls(
@@ -306,8 +326,9 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             # keys the source left out stay out, unless they now differ from the schema default
-            if f.name not in skip and (f.name in self.hf_keys or not self.hf_keys
-                                       or f.default is dataclasses.MISSING or value != f.default):
+            implied = f.name == "max_position_embeddings" and self.hf_keys and f.name not in self.hf_keys
+            if f.name not in skip and not implied and (f.name in self.hf_keys or not self.hf_keys
+                                                      or f.default is dataclasses.MISSING or value != f.default):
                 out[f.name] = value
         lac = {"kda_layers": list(self.kda_layers), "full_attn_layers": list(self.full_attn_layers),
                "head_dim": self.kda_head_dim, "num_heads": self.kda_num_heads,

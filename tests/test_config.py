@@ -24,7 +24,9 @@ def test_k3_preset_is_the_released_config():
 def test_presets_round_trip(name):
     with open(C.preset_path(name)) as f:
         d = yaml.safe_load(f)
+    train = d.pop("train", {})  # k3jax's own section, never part of config.json
     assert C.K3Config.from_hf(d).to_hf() == d
+    assert C.load_k3(name).train == train
 
 
 def test_real_config_values():
@@ -99,3 +101,12 @@ def test_runtime_options_are_validated_and_hashable():
 def test_unknown_preset_lists_presets():
     with pytest.raises(C.ConfigError, match="toy"):
         C.load("no_such_preset")
+
+
+def test_transformers_restated_keys_are_checked():
+    d = _text(linear_num_heads=96, qk_head_dim=192, layer_types=None)
+    d.pop("layer_types")
+    cfg = C.ModelConfig.from_hf(d)
+    assert cfg.to_hf() == d
+    with pytest.raises(C.ConfigError, match="linear_num_heads"):
+        C.ModelConfig.from_hf(_text(linear_num_heads=32))

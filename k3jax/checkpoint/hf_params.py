@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
-from k3jax.checkpoint.names import TensorEntry, hf_prefixes, tensor_map
+from k3jax.checkpoint.names import VISION_PREFIXES, TensorEntry, hf_prefixes, tensor_map, vision_names
 from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, VisionConfig
 
-NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+NON_TEXT_PREFIXES = VISION_PREFIXES
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class CheckpointMismatch(ValueError):
@@ -59,6 +60,18 @@ def to_tree_layout(entry: TensorEntry, arr: np.ndarray, target_shape: tuple[int,
     return arr
 
 
+def from_tree_layout(entry: TensorEntry, arr: np.ndarray, stored: tuple[int, ...]) -> np.ndarray:
+    """Inverse of `to_tree_layout`: a tree slice → the checkpoint array of shape `stored`."""
+    t = entry.transform
+    if t in ("T", "expertT", "conv"):
+        arr = arr.T
+    if t == "a_log":  # zero padding back, as the released K3 files store it
+        flat = np.zeros(int(np.prod(stored)), arr.dtype)
+        flat[:arr.shape[0]] = arr
+        arr = flat
+    return np.ascontiguousarray(arr.reshape(stored))
+
+
 def read_entry(ckpt, entry: TensorEntry, names: set[str]) -> np.ndarray:
     """The checkpoint array of one entry, MXFP4 experts dequantized to fp32."""
     if not entry.is_expert:
@@ -68,10 +81,13 @@ def read_entry(ckpt, entry: TensorEntry, names: set[str]) -> np.ndarray:
     return dequantize_mxfp4_np(ckpt.get(f"{entry.hf}.weight_packed"), ckpt.get(f"{entry.hf}.weight_scale"))
 
 
-def check_names(cfg: ModelConfig, names, layout: str | None = None) -> dict:
+def check_names(cfg: ModelConfig, names, layout: str | None = None, *, check_vision: bool = False,
+                vision: VisionConfig | None = None) -> dict:
     """Match checkpoint names against the map without reading data.
 
-    Returns {'layout', 'dense_mlp_name', 'missing', 'unexpected', 'matched'}.
+    Returns {'layout', 'dense_mlp_name', 'missing', 'unexpected', 'matched', 'entries',
+    'vision', 'mxfp4'}. Vision/projector names are ignored unless `check_vision`; then
+    they must be exactly the set `vision` implies, or absent altogether (text-only files).
     """
     names = set(names)
     layout = layout or detect_layout(names)
@@ -91,8 +107,54 @@ def check_names(cfg: ModelConfig, names, layout: str | None = None) -> dict:
         else:
             missing.append(e.hf)
     unexpected = sorted(n for n in names - expected if not n.startswith(NON_TEXT_PREFIXES))
+    vision_found: list[str] = []
+    if check_vision:
+        present = {n for n in names if n.startswith(NON_TEXT_PREFIXES)}
+        implied = set(vision_names(vision)) if present else set()
+        vision_found = sorted(present & implied)
+        missing += sorted(implied - present)
+        unexpected += sorted(present - implied)
+    mxfp4 = any(f"{e.hf}.weight_packed" in expected for e in entries if e.is_expert)
     return {"layout": layout, "dense_mlp_name": dense_name, "missing": missing,
-            "unexpected": unexpected, "matched": len(expected), "entries": entries}
+            "unexpected": unexpected, "matched": len(expected), "entries": entries,
+            "vision": vision_found, "mxfp4": mxfp4}
+
+
+def mismatch_message(where, report: dict, limit: int = 20) -> str:
+    lines = [f"missing: {n}" for n in report["missing"][:limit]]
+    lines += [f"unexpected: {n}" for n in report["unexpected"][:limit]]
+    return (f"{where}: {len(report['missing'])} missing and {len(report['unexpected'])} unexpected "
+            f"tensors\n" + "\n".join(lines))
+
+
+def check_stored(ckpt, entry: TensorEntry, names: set[str], slot_shape, cfg: ModelConfig, layout: str) -> str:
+    """Header-only check of one entry's dtype and shape; returns its source dtype string
+    ('MXFP4' for packed experts). Errors name the tensor and its file."""
+    from k3jax.checkpoint.names import stored_shape
+
+    want = stored_shape(entry, tuple(slot_shape), cfg, layout)
+    if entry.is_expert and f"{entry.hf}.weight" not in names:
+        out_dim, in_dim = want
+        for suffix, shape in (("weight_packed", (out_dim, in_dim // 2)), ("weight_scale", (out_dim, in_dim // 32))):
+            name = f"{entry.hf}.{suffix}"
+            dt, sh = ckpt.info(name)
+            if dt != "U8":
+                raise CheckpointMismatch(f"{name} ({ckpt.shard_of(name)}): MXFP4 {suffix} must be U8, found {dt}")
+            if tuple(sh) != shape:
+                raise CheckpointMismatch(f"{name} ({ckpt.shard_of(name)}): shape {tuple(sh)}, expected {shape}")
+        return "MXFP4"
+    name = f"{entry.hf}.weight" if entry.is_expert else entry.hf
+    dt, sh = ckpt.info(name)
+    if dt not in FLOAT_DTYPES:
+        raise CheckpointMismatch(f"{name} ({ckpt.shard_of(name)}): dtype {dt} is not a float type "
+                                 f"(expected one of {', '.join(FLOAT_DTYPES)})")
+    ok = tuple(sh) == tuple(want)
+    if entry.transform == "a_log":  # any of [H], [1, 1, H, 1] or K3's zero-padded [>= H] reads back
+        ok = len(sh) in (1, 4) and int(np.prod(sh)) >= slot_shape[0] and (len(sh) == 1 or sh[2] == int(np.prod(sh)))
+    if not ok:
+        raise CheckpointMismatch(f"{name} ({ckpt.shard_of(name)}): shape {tuple(sh)} does not match the "
+                                 f"config's {tuple(want)}")
+    return dt
 
 
 def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
@@ -111,10 +173,7 @@ def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
     names = set(ckpt.keys())
     report = check_names(cfg, names)
     if report["missing"] or report["unexpected"]:
-        lines = [f"missing: {n}" for n in report["missing"][:20]]
-        lines += [f"unexpected: {n}" for n in report["unexpected"][:20]]
-        raise CheckpointMismatch(f"{hf_dir}: {len(report['missing'])} missing and "
-                                 f"{len(report['unexpected'])} unexpected tensors\n" + "\n".join(lines))
+        raise CheckpointMismatch(mismatch_message(hf_dir, report))
 
     flat = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
     out = {path: np.zeros(s.shape, dtype or s.dtype) for path, s in flat.items()}

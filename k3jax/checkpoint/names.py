@@ -11,9 +11,10 @@ the reader picks whichever is present.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, VisionConfig
 from k3jax.model import layer_plan
 
 # transforms (checkpoint -> tree):
@@ -161,3 +162,44 @@ def stored_shape(entry: TensorEntry, slot_shape: tuple[int, ...], cfg: ModelConf
     if t == "a_log":  # K3 zero-pads the per-head vector to head_dim; Kimi-Linear keeps [1, 1, H, 1]
         return (max(slot_shape[0], cfg.kda_head_dim),) if layout == "k3" else (1, 1, slot_shape[0], 1)
     return tuple(slot_shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Vision tower and projector (SPEC §6/§7). Their param tree lives with the vision model;
+# converters carry these tensors verbatim, so the map here is names only.
+# ---------------------------------------------------------------------------------------
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+VISION_BLOCK_PARTS = ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1")
+VISION_PATTERNS = tuple(re.compile(p) for p in (
+    r"vision_tower\.patch_embed\.(proj|pos_emb)\.weight",
+    r"vision_tower\.encoder\.blocks\.(\d+)\.(norm0|norm1|wqkv|wo|mlp\.fc0|mlp\.fc1)\.weight",
+    r"vision_tower\.encoder\.final_layernorm\.weight",
+    r"mm_projector\.proj\.(0|2)\.weight",
+    r"mm_projector\.post_norm\.weight",
+))
+
+
+def is_vision_name(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
+def vision_names(vision: VisionConfig | None) -> list[str]:
+    """Every vision-tower and projector tensor a config implies, in checkpoint order."""
+    if vision is None:
+        return []
+    out = ["vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight"]
+    for b in range(vision.vt_num_hidden_layers):
+        out += [f"vision_tower.encoder.blocks.{b}.{part}.weight" for part in VISION_BLOCK_PARTS]
+    out.append("vision_tower.encoder.final_layernorm.weight")
+    out += ["mm_projector.proj.0.weight", "mm_projector.proj.2.weight", "mm_projector.post_norm.weight"]
+    return out
+
+
+# Tensors the released checkpoint keeps in float32; every other float tensor is bf16.
+_FP32_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "_conv1d.weight", "self_attn.o_norm.weight",
+                  "gate.e_score_correction_bias")
+
+
+def release_dtype(name: str) -> str:
+    """safetensors dtype the released checkpoint uses for a (non-MXFP4) tensor name."""
+    return "F32" if name.endswith(_FP32_SUFFIXES) else "BF16"

@@ -1,0 +1,201 @@
+"""Hugging Face safetensors directory → k3jax Orbax checkpoint, streamed tensor by tensor.
+
+The output directory:
+
+    config.json            the source config, byte for byte (rebuilds the model)
+    params/                Orbax pytree of the text params, in the tree `K3Model` uses
+    mxfp4_scales/          (MXFP4 sources) Orbax pytree of the original E8M0 scale bytes,
+                           [..., expert, out, in/32] at the same paths as the expert stacks,
+                           so `export` can re-pack unchanged experts byte for byte
+    extra/                 (if present) vision tower and projector tensors, verbatim
+    k3jax_checkpoint.json  manifest, written last
+
+Memory: every checkpoint tensor is read through the memory map, transformed and written
+into its slice of the stacked leaf on disk (orbax_io.TreeWriter) before the next one is
+read; the shard mappings are dropped after each decoder layer so their resident pages do
+not accumulate. Peak host memory is a few copies of the largest single tensor (an expert
+is handled one at a time), independent of depth and expert count.
+
+Atomicity: everything is written into a hidden temporary sibling of OUT_DIR and renamed
+onto OUT_DIR only when complete; on an error the temporary directory is removed. A
+directory without `k3jax_checkpoint.json` is never a finished conversion.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from k3jax.checkpoint.hf_params import (CheckpointMismatch, check_names, check_stored, mismatch_message,
+                                        to_tree_layout)
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
+from k3jax.checkpoint.orbax_io import TreeWriter
+from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
+from k3jax.config import K3Config
+
+MANIFEST = "k3jax_checkpoint.json"
+FORMAT = "k3jax-orbax-1"
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _load_config(hf_dir: Path) -> K3Config:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json")
+    return K3Config.from_hf(path)
+
+
+def dry_run(hf_dir) -> dict:
+    """Match every name in the index (or the single file's header) against the map; no
+    tensor data is read. The report's 'missing' / 'unexpected' lists are complete."""
+    hf_dir = Path(hf_dir)
+    k3 = _load_config(hf_dir)
+    ckpt = ShardedCheckpoint(hf_dir)
+    try:
+        names = ckpt.keys()
+    finally:
+        ckpt.close()
+    report = check_names(k3.text, names, k3.layout, check_vision=True, vision=k3.vision)
+    report.pop("entries")
+    report["total"] = len(names)
+    report["experts_mxfp4"] = sum(n.endswith(".weight_packed") for n in names)
+    report["index"] = str(ckpt.index_path or hf_dir / "model.safetensors")
+    return report
+
+
+def _leaf_dtype(source_dtypes: set[str]) -> np.dtype:
+    # Keep what the source holds exactly: MXFP4 values are exact in bf16; mixing widths
+    # (or any fp32 source) keeps fp32.
+    kinds = {"BF16" if d == "MXFP4" else d for d in source_dtypes}
+    return DTYPES[kinds.pop()] if len(kinds) == 1 and kinds <= {"BF16", "F16", "F32"} else DTYPES["F32"]
+
+
+def _plan(k3: K3Config, ckpt: ShardedCheckpoint):
+    """Validate names, dtypes and shapes from the headers alone, before anything is written."""
+    from flax import linen as nn
+    import jax
+
+    from k3jax.model import abstract_params
+
+    cfg = k3.text
+    names = set(ckpt.keys())
+    report = check_names(cfg, names, k3.layout, check_vision=True, vision=k3.vision)
+    if report["missing"] or report["unexpected"]:
+        raise CheckpointMismatch(mismatch_message(ckpt.directory, report))
+    abstract = nn.unbox(abstract_params(cfg))
+    shapes = {tuple(k.key for k in p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    sources: dict[tuple, set] = {}
+    n_lead: dict[tuple, int] = {}
+    slots: dict[tuple, set] = {}
+    for e in report["entries"]:
+        if e.path not in shapes:
+            raise CheckpointMismatch(f"{e.hf}: the model has no param {'/'.join(e.path)}")
+        slot = shapes[e.path][len(e.index):]
+        sources.setdefault(e.path, set()).add(check_stored(ckpt, e, names, slot, cfg, k3.layout))
+        n_lead[e.path] = len(e.index)
+        slots.setdefault(e.path, set()).add(e.index)
+    # a slot no tensor fills would be left as zeros on disk without complaint
+    uncovered = sorted(p for p in shapes if len(slots.get(p, ())) != int(np.prod(shapes[p][:n_lead.get(p, 0)])))
+    if uncovered:
+        raise CheckpointMismatch(f"params {['/'.join(p) for p in uncovered[:10]]} are not filled by any tensor")
+    leaves = {p: (shapes[p], _leaf_dtype(sources[p]), n_lead[p]) for p in shapes}
+    return report, leaves
+
+
+def _source_bytes(ckpt: ShardedCheckpoint, names) -> int:
+    total = 0
+    for n in names:
+        dt, shape = ckpt.info(n)
+        total += int(np.prod(shape)) * DTYPES[dt].itemsize
+    return total
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
+                dynamic_ncols=True, smoothing=0.1)
+
+
+def _units(entries):
+    """Entries grouped per decoder layer (in order), the non-layer tensors first."""
+    units: dict[int, list] = {}
+    for e in entries:
+        m = _LAYER.search(e.hf)
+        units.setdefault(int(m.group(1)) if m else -1, []).append(e)
+    return [units[k] for k in sorted(units)]
+
+
+def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
+    """Convert; returns the manifest. Raises before writing anything if names, dtypes or
+    shapes do not match the config; refuses to overwrite an existing OUT_DIR."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
+    k3 = _load_config(hf_dir)
+    ckpt = ShardedCheckpoint(hf_dir)
+    report, leaves = _plan(k3, ckpt)
+    names = set(ckpt.keys())
+    mxfp4 = report["mxfp4"]
+    total = _source_bytes(ckpt, names)
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        params = TreeWriter(tmp / "params", leaves)
+        scales = None
+        if mxfp4:
+            expert_paths = {e.path: len(e.index) for e in report["entries"] if e.is_expert}
+            scales = TreeWriter(tmp / "mxfp4_scales", {
+                p: (leaves[p][0][:n] + (leaves[p][0][-1], leaves[p][0][-2] // 32), np.uint8, n)
+                for p, n in expert_paths.items()})
+        bar = _progress(total, progress, f"convert {hf_dir.name}")
+        for unit in _units(report["entries"]):
+            for e in unit:
+                bar.update(_write_entry(ckpt, e, names, params, scales, leaves))
+            ckpt.close()  # unmap this layer's shards: resident pages would otherwise pile up
+        if report["vision"]:
+            extra = TreeWriter(tmp / "extra", {tuple(n.split(".")): (ckpt.info(n)[1], DTYPES[ckpt.info(n)[0]], 0)
+                                               for n in report["vision"]})
+            for n in report["vision"]:
+                arr = ckpt.get(n)
+                extra.write(tuple(n.split(".")), (), arr)
+                bar.update(arr.nbytes)
+            extra.finalize()
+        ckpt.close()
+        params.finalize()
+        if scales is not None:
+            scales.finalize()
+        bar.close()
+        shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
+        manifest = {"format": FORMAT, "layout": report["layout"], "dense_mlp_name": report["dense_mlp_name"],
+                    "experts": "mxfp4" if mxfp4 else "float", "vision_tensors": len(report["vision"]),
+                    "tensors": len(names), "source_bytes": total, "source": str(hf_dir)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        os.rename(tmp, out_dir)
+    except BaseException:
+        ckpt.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_entry(ckpt, e, names, params: TreeWriter, scales: TreeWriter | None, leaves) -> int:
+    """Read, transform and write one entry; returns the source bytes it consumed."""
+    shape, dtype, _ = leaves[e.path]
+    slot = shape[len(e.index):]
+    if e.is_expert and f"{e.hf}.weight" not in names:
+        packed, scale = ckpt.get(f"{e.hf}.weight_packed"), ckpt.get(f"{e.hf}.weight_scale")
+        w = dequantize_mxfp4_np(packed, scale)
+        params.write(e.path, e.index, to_tree_layout(e, w, slot).astype(dtype))
+        scales.write(e.path, e.index, scale)
+        return packed.nbytes + scale.nbytes
+    name = f"{e.hf}.weight" if e.is_expert else e.hf
+    arr = ckpt.get(name)
+    params.write(e.path, e.index, to_tree_layout(e, arr, slot).astype(dtype))
+    return arr.nbytes

@@ -1,0 +1,166 @@
+"""k3jax Orbax checkpoint → the released safetensors layout (vLLM / SGLang / transformers).
+
+Names and shapes come from the same `names.tensor_map` the converter uses. Dtypes follow
+the released checkpoint (`names.release_dtype`: bf16, except KDA A_log, dt_bias, conv
+weights, o_norm and the router bias in fp32); `A_log` is zero-padded back to head_dim in
+the K3 layout. Routed experts are re-packed to MXFP4 unless `experts_bf16`.
+
+Byte-identical MXFP4: a group whose codes are all ±0 keeps no trace of its scale byte in
+the values, so re-deriving scales cannot reproduce every stored tensor. The converter
+keeps the original scale bytes (`mxfp4_scales/`); an expert is re-packed with them when
+that reproduces its current values exactly (it was not changed since conversion), and
+freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise.
+
+Streaming: tensors are produced in checkpoint order, one at a time, from slices of the
+stored leaves (only their chunks are read) and flushed into a shard file whenever the
+shard reaches `max_shard_bytes`; the output is assembled in a temporary directory and
+renamed when complete, like `convert`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from k3jax.checkpoint.convert import FORMAT, MANIFEST
+from k3jax.checkpoint.hf_params import from_tree_layout
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
+from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
+from k3jax.checkpoint.orbax_io import open_leaf, stored_leaves
+from k3jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME, write_safetensors
+from k3jax.config import K3Config
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+class _Leaves:
+    """Slices of one Orbax item's leaves, each leaf opened once."""
+
+    def __init__(self, item_dir: Path):
+        self.item_dir = item_dir
+        self.paths = set(stored_leaves(item_dir))
+        self._open: dict = {}
+
+    def get(self, path, index) -> np.ndarray:
+        if path not in self.paths:
+            raise ValueError(f"{self.item_dir}: no leaf {'.'.join(path)}")
+        leaf = self._open.get(path)
+        if leaf is None:
+            leaf = self._open[path] = open_leaf(self.item_dir, path)
+        return np.asarray((leaf[tuple(index)] if index else leaf).read().result())
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes `model-XXXXX-of-YYYYY.safetensors` shards."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        if self.pending and self.pending_bytes + arr.nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = arr
+        self.pending_bytes += arr.nbytes
+        self.total += arr.nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp_name = f"shard-{len(self.files):05d}.safetensors"
+        write_safetensors(self.directory / tmp_name, self.pending, metadata={"format": "pt"})
+        self.files.append((tmp_name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (tmp_name, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.directory / tmp_name, self.directory / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _cast(arr: np.ndarray, dtype_str: str) -> np.ndarray:
+    return np.ascontiguousarray(arr.astype(DTYPES[dtype_str]))
+
+
+def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
+    """MXFP4 bytes of an expert [out, in]: original scales when they reproduce w exactly."""
+    if scale is not None and scale.max(initial=0) < 255:
+        packed = requantize_with_scale(w, scale)
+        if np.array_equal(dequantize_mxfp4_np(packed, scale), w.astype(np.float32)):
+            return packed, scale
+    return quantize_mxfp4(w)
+
+
+def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           progress: bool = False) -> dict:
+    """Write HF_DIR; returns the index dict's metadata plus counts."""
+    ckpt_dir, hf_dir = Path(ckpt_dir), Path(hf_dir)
+    manifest_path = ckpt_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a finished `k3jax convert` output)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if hf_dir.exists():
+        raise FileExistsError(f"{hf_dir} already exists; refusing to overwrite it")
+    hf_config = json.loads((ckpt_dir / "config.json").read_text())
+    k3 = K3Config.from_hf(hf_config)
+    cfg, layout = k3.text, manifest["layout"]
+
+    params = _Leaves(ckpt_dir / "params")
+    scales = _Leaves(ckpt_dir / "mxfp4_scales") if (ckpt_dir / "mxfp4_scales").exists() else None
+    entries = tensor_map(cfg, layout, manifest["dense_mlp_name"])
+
+    from tqdm import tqdm
+    tmp = hf_dir.parent / f".{hf_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        out = _ShardWriter(tmp, max_shard_bytes)
+        bar = tqdm(total=len(entries), unit="tensor", desc=f"export {hf_dir.name}", disable=not progress)
+        for e in entries:
+            slot = params.get(e.path, e.index)
+            if not e.is_expert:
+                shape = stored_shape(e, slot.shape, cfg, layout)
+                out.add(e.hf, _cast(from_tree_layout(e, slot, shape), release_dtype(e.hf)))
+            else:
+                w = np.ascontiguousarray(slot.T)  # [in, out] -> [out, in]
+                if experts_bf16:
+                    out.add(f"{e.hf}.weight", _cast(w, "BF16"))
+                else:
+                    scale = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
+                    packed, scale = _pack_expert(w, scale)
+                    out.add(f"{e.hf}.weight_packed", packed)
+                    out.add(f"{e.hf}.weight_scale", scale)
+            bar.update(1)
+        if (ckpt_dir / "extra").exists():
+            extra = _Leaves(ckpt_dir / "extra")
+            for path in sorted(extra.paths):
+                out.add(".".join(path), extra.get(path, ()))
+        bar.close()
+        out.finish()
+        if experts_bf16:  # the packed-weight quantization block no longer describes the files
+            target = hf_config.get("text_config", hf_config)
+            target.pop("quantization_config", None)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        else:
+            shutil.copyfile(ckpt_dir / "config.json", tmp / "config.json")
+        os.rename(tmp, hf_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files)}
+

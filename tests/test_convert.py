@@ -1,0 +1,229 @@
+"""HF → Orbax conversion, export back, logits from either, sharded restore, bad inputs."""
+import gzip
+import json
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from helpers import FIXTURES, SHARED, need, rel_l2
+from k3jax import cli
+from k3jax.checkpoint import convert as convert_mod
+from k3jax.checkpoint.convert import MANIFEST, convert, dry_run
+from k3jax.checkpoint.export import export
+from k3jax.checkpoint.hf_params import load_hf_params
+from k3jax.checkpoint.orbax_io import default_shardings, restore_params
+from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile, ShardedCheckpoint, write_safetensors
+from k3jax.config import K3Config
+from k3jax.model import abstract_params
+
+REFERENCE = SHARED / "reference" / "kimi-k3"
+
+
+def _tensors(path):
+    with SafetensorsFile(path) as f:
+        return {n: np.array(f.get(n)) for n in f.keys()}
+
+
+def _hf_dir(tmp, tensors, config=None, src="fixture_b"):
+    """A one-file HF dir with `tensors` and fixture `src`'s config (or `config`)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_safetensors(tmp / "model.safetensors", tensors)
+    cfg = config or json.loads((FIXTURES / src / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def _no_finished_output(root):
+    return not any(p.name == MANIFEST for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def fixture_a_orbax(tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "a"
+    convert(need(FIXTURES / "fixture_a"), out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Round trip: MXFP4 + bf16 + fp32 text tensors (fixture B) and vision tensors (fixture V),
+# two shards behind an index → Orbax → the released layout, byte for byte per tensor.
+# ---------------------------------------------------------------------------------------
+def test_convert_export_round_trip_is_byte_identical(tmp_path):
+    b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
+    src = tmp_path / "hf"
+    src.mkdir()
+    shutil.copyfile(b / "model.safetensors", src / "text.safetensors")
+    shutil.copyfile(v / "model.safetensors", src / "vision.safetensors")
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["vision_config"] = json.loads((v / "config.json").read_text())["vision_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    wm = {n: "text.safetensors" for n in SafetensorsFile(src / "text.safetensors").keys()}
+    wm.update({n: "vision.safetensors" for n in SafetensorsFile(src / "vision.safetensors").keys()})
+    (src / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+
+    manifest = convert(src, tmp_path / "orbax")
+    assert manifest["experts"] == "mxfp4" and manifest["vision_tensors"] == 18
+    export(tmp_path / "orbax", tmp_path / "back", max_shard_bytes=300_000)
+    a, back = ShardedCheckpoint(src), ShardedCheckpoint(tmp_path / "back")
+    assert back.keys() == a.keys() and len(back.shards()) > 1
+    for n in a.keys():
+        assert back.info(n) == a.info(n), n
+        assert back.get(n).tobytes() == a.get(n).tobytes(), n
+    index = json.loads((tmp_path / "back" / INDEX_NAME).read_text())
+    assert index["metadata"]["total_size"] == sum(a.get(n).nbytes for n in a.keys())
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == cfg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "orbax"]  # no temporaries left
+
+    export(tmp_path / "orbax", tmp_path / "bf16", experts_bf16=True)
+    f = ShardedCheckpoint(tmp_path / "bf16")
+    name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
+    from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
+    want = dequantize_mxfp4_np(a.get(f"{name}.weight_packed"), a.get(f"{name}.weight_scale"))
+    assert f.info(f"{name}.weight")[0] == "BF16"
+    np.testing.assert_array_equal(f.get(f"{name}.weight").astype(np.float32), want)
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())["text_config"]
+
+
+# ---------------------------------------------------------------------------------------
+# Logits from the Orbax checkpoint, through the command line
+# ---------------------------------------------------------------------------------------
+def test_logits_command_from_orbax_matches_reference(fixture_a_orbax, tmp_path):
+    d = FIXTURES / "fixture_a"
+    out = tmp_path / "logits.npy"
+    assert cli.main(["logits", str(fixture_a_orbax), "--tokens", str(d / "inputs.npy"), "--out", str(out)]) == 0
+    logits, ref = np.load(out), np.load(d / "logits.npy")
+    assert logits.dtype == np.float32 and logits.shape == ref.shape
+    for b in range(ref.shape[0]):
+        assert rel_l2(logits[b], ref[b]) <= 1e-4
+        assert np.abs(logits[b] - ref[b]).max() <= 2e-3
+        top2 = np.sort(ref[b], axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 1e-2
+        np.testing.assert_array_equal(logits[b].argmax(-1)[clear], ref[b].argmax(-1)[clear])
+
+
+def test_restore_onto_mesh_shardings(fixture_a_orbax):
+    cfg = K3Config.from_hf(fixture_a_orbax / "config.json").text
+    assert jax.device_count() == 8
+    shardings = default_shardings(nn.unbox(abstract_params(cfg)))
+    params = restore_params(fixture_a_orbax, cfg, shardings)
+    source = load_hf_params(cfg, FIXTURES / "fixture_a", dtype=np.float32)
+    flat_p = dict(jax.tree_util.tree_leaves_with_path(params))
+    flat_s = dict(jax.tree_util.tree_leaves_with_path(shardings))
+    flat_src = dict(jax.tree_util.tree_leaves_with_path(source))
+    assert flat_p.keys() == flat_src.keys()
+    n_sharded = 0
+    for path, arr in flat_p.items():
+        assert arr.sharding == flat_s[path], jax.tree_util.keystr(path)
+        n_sharded += "fsdp" in tuple(arr.sharding.spec)
+        np.testing.assert_array_equal(np.asarray(arr), flat_src[path], err_msg=jax.tree_util.keystr(path))
+    assert n_sharded > len(flat_p) // 2  # most leaves really are split over the 8 devices
+
+
+# ---------------------------------------------------------------------------------------
+# Dry run: the released index, names only
+# ---------------------------------------------------------------------------------------
+def test_dry_run_maps_every_released_name(capsys):
+    ref = need(REFERENCE / "model.safetensors.index.json.gz")
+    assert cli.main(["convert", str(REFERENCE), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "497,220 names" in out and "0 missing, 0 unexpected" in out and "complete mapping" in out
+    n = len(json.loads(gzip.decompress(ref.read_bytes()))["weight_map"])
+    assert n == 497_220
+
+
+def test_dry_run_lists_unmatched_names(tmp_path, capsys):
+    names = list(SafetensorsFile(FIXTURES / "fixture_b" / "model.safetensors").keys())
+    gone = "language_model.model.layers.2.self_attn.A_log"
+    names = [n for n in names if n != gone] + ["language_model.model.layers.2.self_attn.bogus.weight",
+                                               "vision_tower.encoder.blocks.0.wo.weight"]
+    tmp_path.joinpath(INDEX_NAME).write_text(json.dumps({"weight_map": {n: "x.safetensors" for n in names}}))
+    shutil.copyfile(FIXTURES / "fixture_b" / "config.json", tmp_path / "config.json")
+    r = dry_run(tmp_path)
+    assert gone in r["missing"] and "language_model.model.layers.2.self_attn.bogus.weight" in r["unexpected"]
+    assert "vision_tower.patch_embed.proj.weight" in r["missing"]  # a partial vision tower is reported
+    assert cli.main(["convert", str(tmp_path), "--dry-run"]) == 1
+    assert f"missing     {gone}" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs: each error names the tensor, and nothing that looks finished is left
+# ---------------------------------------------------------------------------------------
+BASE = "language_model.model.layers.4.self_attn."
+
+
+def _bad_missing(t, cfg):
+    del t[BASE + "q_proj.weight"]
+    return BASE + "q_proj.weight"
+
+
+def _bad_extra(t, cfg):
+    t[BASE + "extra_proj.weight"] = np.zeros((2, 2), np.float32)
+    return BASE + "extra_proj.weight"
+
+
+def _bad_shape(t, cfg):
+    t[BASE + "k_proj.weight"] = np.ascontiguousarray(t[BASE + "k_proj.weight"][:, :-1])
+    return BASE + "k_proj.weight"
+
+
+def _bad_dtype(t, cfg):
+    t[BASE + "dt_bias"] = t[BASE + "dt_bias"].view(np.int32)  # float bits stored as int
+    return BASE + "dt_bias"
+
+
+def _bad_config(t, cfg):
+    cfg["text_config"]["vocab_size"] = 1024  # a config from another checkpoint
+    return "language_model.model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("make_bad", [_bad_missing, _bad_extra, _bad_shape, _bad_dtype, _bad_config])
+def test_bad_checkpoint_is_refused_naming_the_tensor(tmp_path, make_bad):
+    tensors = _tensors(FIXTURES / "fixture_b" / "model.safetensors")
+    cfg = json.loads((FIXTURES / "fixture_b" / "config.json").read_text())
+    name = make_bad(tensors, cfg)
+    src = _hf_dir(tmp_path / "hf", tensors, cfg)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _no_finished_output(tmp_path)
+
+
+def test_truncated_shard_is_refused_naming_the_tensor(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    shutil.copyfile(FIXTURES / "fixture_b" / "config.json", src / "config.json")
+    data = (FIXTURES / "fixture_b" / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[:-100])
+    f = SafetensorsFile(FIXTURES / "fixture_b" / "model.safetensors")
+    cut = [n for n in f.keys() if f.data_offset(n) + f.get(n).nbytes > len(data) - 100]
+    with pytest.raises(ValueError, match="|".join(re.escape(f"'{n}'") for n in cut)):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_convert_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = convert_mod._write_entry
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 150:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "_write_entry", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        convert(FIXTURES / "fixture_b", tmp_path / "out")
+    assert calls["n"] == 150
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="no k3jax_checkpoint.json"):
+        export(tmp_path / "out", tmp_path / "back")
+
+
+def test_convert_refuses_to_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(FIXTURES / "fixture_b", tmp_path / "out")
