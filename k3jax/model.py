@@ -83,12 +83,15 @@ class Residual(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
+    """One layer; returns (residual, cache update). With `cache` it continues cached
+    sequences (see `K3Model`) and the update is the attention's new cache (KDA) or the new
+    tokens' latents (MLA); without, the update is None."""
     cfg: ModelConfig
     attn_kind: str
     ffn_kind: str
 
     @nn.compact
-    def __call__(self, res: Residual, segment_ids, layer_idx):
+    def __call__(self, res: Residual, segment_ids, layer_idx, cache=None, pos=None):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         attn = (KimiDeltaAttention(cfg, name="self_attn") if self.attn_kind == "kda"
@@ -101,11 +104,20 @@ class DecoderLayer(nn.Module):
             stack, count, p = push_block(stack, count, p, layer_idx % cfg.attn_res_block_size == 0)
         else:
             attn_in = p
-        p = p + attn(RMSNorm(eps, name="input_layernorm")(attn_in), segment_ids)
+        x = RMSNorm(eps, name="input_layernorm")(attn_in)
+        update = None
+        if cache is None:
+            a = attn(x, segment_ids)
+        elif self.attn_kind == "kda":
+            a, update = attn(x, cache=cache, n_new=pos[1])
+        else:
+            a, entries = attn(x, cache=cache, lengths=pos[0])
+            update = {"kv": entries}
+        p = p + a
         mlp_in = AttnRes(eps, name="mlp_res")(stack, count, p) if cfg.use_attn_res else p
         p = p + ffn(RMSNorm(eps, name="post_attention_layernorm")(mlp_in))
         p = constrain(p, ("batch", "length", "embed"))
-        return Residual(p, stack, count)
+        return Residual(p, stack, count), update
 
 
 def _remat(cls, cfg: ModelConfig):
@@ -122,11 +134,16 @@ class LayerGroup(nn.Module):
     kinds: tuple[tuple[str, str], ...]
 
     @nn.compact
-    def __call__(self, res: Residual, segment_ids, first_layer_idx):
+    def __call__(self, res: Residual, segment_ids, first_layer_idx, cache=None, pos=None):
         layer_cls = _remat(DecoderLayer, self.cfg)
+        updates = None if cache is None else {}
         for j, (attn_kind, ffn_kind) in enumerate(self.kinds):
-            res = layer_cls(self.cfg, attn_kind, ffn_kind, name=f"sub_{j}")(res, segment_ids, first_layer_idx + j)
-        return res, None
+            name = f"sub_{j}"
+            res, u = layer_cls(self.cfg, attn_kind, ffn_kind, name=name)(
+                res, segment_ids, first_layer_idx + j, None if cache is None else cache[name], pos)
+            if cache is not None:
+                updates[name] = u
+        return res, updates
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,11 +154,17 @@ class K3Model(nn.Module):
 
     segment_ids [B, T] marks packed documents (equal ids = one document, contiguous): KDA
     state and conv tails reset at each boundary and MLA never attends across one.
+
+    `apply(..., tokens, cache=layers, pos=(lengths, n_new))` continues cached sequences
+    (k3jax.infer): `layers` holds each layer's past cache under its param name (scanned
+    groups stacked on a leading axis), lengths [B] the tokens already cached per row and
+    n_new [B] the real tokens of this call per row (the rest is right padding). Returns
+    (logits [B, V] at each row's last real token, per-layer updates named likewise).
     """
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None):
+    def __call__(self, tokens, segment_ids=None, cache=None, pos=None):
         cfg = self.cfg
         validate_inputs(cfg, tokens, segment_ids)
         plan = layer_plan(cfg)
@@ -152,19 +175,37 @@ class K3Model(nn.Module):
         B, T, D = h.shape
         n_blocks = cfg.max_attn_res_blocks
         res = Residual(h, jnp.zeros((n_blocks, B, T, D), h.dtype), jnp.zeros((), jnp.int32))
+        updates = None if cache is None else {}
+
+        def unrolled(res, i):
+            name = f"layers_{i}"
+            res, u = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=name)(
+                res, segment_ids, i, None if cache is None else cache[name], pos)
+            if cache is not None:
+                updates[name] = u
+            return res
 
         layer_cls = _remat(DecoderLayer, cfg)
         for i in plan.head:
-            res = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=f"layers_{i}")(res, segment_ids, i)
+            res = unrolled(res, i)
         if plan.n_groups:
             Scanned = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0},
-                              split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
+                              split_rngs={"params": True}, in_axes=(nn.broadcast, 0, 0, nn.broadcast),
                               length=plan.n_groups, metadata_params={nn.PARTITION_NAME: "layers"})
             firsts = plan.group_start + plan.group_size * jnp.arange(plan.n_groups, dtype=jnp.int32)
-            res, _ = Scanned(cfg, plan.group, name="groups")(res, segment_ids, firsts)
+            res, u = Scanned(cfg, plan.group, name="groups")(
+                res, segment_ids, firsts, None if cache is None else cache["groups"], pos)
+            if cache is not None:
+                updates["groups"] = u
         for i in plan.tail:
-            res = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=f"layers_{i}")(res, segment_ids, i)
+            res = unrolled(res, i)
 
+        h = res.p
+        if cache is not None:  # only each row's last real token is needed from here on
+            last = jnp.maximum(pos[1] - 1, 0)[:, None, None]
+            h = jnp.take_along_axis(h, last, axis=1)
+            stack = jnp.take_along_axis(res.stack, last[None], axis=2) if res.stack.shape[0] else res.stack
+            res = Residual(h, stack, res.count)
         h = (AttnRes(cfg.rms_norm_eps, name="output_attn_res")(res.stack, res.count, res.p)
              if cfg.use_attn_res else res.p)
         h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
@@ -172,6 +213,8 @@ class K3Model(nn.Module):
             logits = emb.attend(h)
         else:
             logits = dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")(h)
+        if cache is not None:
+            return logits[:, 0].astype(jnp.float32), updates
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 

@@ -71,21 +71,38 @@ def _dt_bias_init(key, shape, dtype):
     return dt + jnp.log(-jnp.expm1(-dt))
 
 
+def _tail_at(tail, p, n_new):
+    """The last W-1 conv inputs before each row's first unused position: rows of
+    [tail, p] at n_new[b] .. n_new[b]+W-2, so right padding never enters the tail."""
+    xe = jnp.concatenate([tail.astype(p.dtype), p], axis=1)
+    idx = n_new[:, None] + jnp.arange(tail.shape[1])[None, :]
+    return jnp.take_along_axis(xe, idx[..., None], axis=1)
+
+
 class KimiDeltaAttention(nn.Module):
+    """`(x, segment_ids) -> y` over whole sequences; with `cache` (conv tails `q_conv`,
+    `k_conv`, `v_conv` [B, W-1, H*K] and `state` [B, H, K, V] fp32) and `n_new` [B] (real
+    tokens per row, the rest right padding) it continues those sequences and returns
+    `(y, new_cache)`. Padding gets g = 0 and β = 0: the state neither decays nor updates
+    there, so the final state is each row's state at its own last real token."""
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None):
+    def __call__(self, x, segment_ids=None, cache=None, n_new=None):
         cfg = self.cfg
         H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
         B, T, _ = x.shape
         proj = H * K
+        new_cache = {}
 
         def conv_branch(name):
             p = dense(cfg, proj, ("embed", "heads_x_dim"), f"{name}_proj")(x)
             kernel = self.param(f"{name}_conv1d", logical(
                 nn.initializers.normal(1.0 / math.sqrt(W)), ("conv", "heads_x_dim")), (W, proj), jnp.float32)
-            y, _ = causal_conv_silu(p, kernel, segment_ids)
+            tail = None if cache is None else cache[f"{name}_conv"]
+            y, _ = causal_conv_silu(p, kernel, segment_ids, tail)
+            if cache is not None:
+                new_cache[f"{name}_conv"] = _tail_at(tail, p, n_new).astype(tail.dtype)
             return y.reshape(B, T, H, K)
 
         q = l2_normalize(conv_branch("q"), cfg.kda_qk_l2_eps)
@@ -99,8 +116,20 @@ class KimiDeltaAttention(nn.Module):
         g = forget_gate(cfg, f, A_log, dt_bias)
         beta = jax.nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x).astype(jnp.float32))
 
-        o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
-                           chunk_size=cfg.runtime.kda_chunk_size)
+        if cache is None:
+            o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
+                               chunk_size=cfg.runtime.kda_chunk_size)
+        else:
+            valid = jnp.arange(T)[None, :] < n_new[:, None]
+            g = jnp.where(valid[..., None, None], g, 0.0)
+            beta = jnp.where(valid[..., None], beta, 0.0)
+            if T == 1:  # decode: the one-token update, no chunk machinery
+                o, state = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["state"])
+                o = o[:, None]
+            else:
+                o, state = kda_ops.kda(q, k, v, g, beta, initial_state=cache["state"], output_final_state=True,
+                                       impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk_size)
+            new_cache["state"] = state
 
         if cfg.use_full_rank_gate:
             gate = dense(cfg, proj, ("embed", "heads_x_dim"), "g_proj")(x)
@@ -109,4 +138,5 @@ class KimiDeltaAttention(nn.Module):
             gate = dense(cfg, proj, ("kda_rank", "heads_x_dim"), "g_b_proj")(gate)
         o = GatedRMSNorm(cfg.rms_norm_eps, name="o_norm")(o, gate.reshape(B, T, H, K))
         o = o.reshape(B, T, proj).astype(compute_dtype(cfg))
-        return dense(cfg, cfg.hidden_size, ("heads_x_dim", "embed"), "o_proj")(o)
+        y = dense(cfg, cfg.hidden_size, ("heads_x_dim", "embed"), "o_proj")(o)
+        return y if cache is None else (y, new_cache)

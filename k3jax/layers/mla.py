@@ -30,11 +30,48 @@ def softmax_attention(q, k, v, mask, scale: float):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32)).astype(v.dtype)
 
 
+def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float):
+    """Attention over the latent cache as one (kv_lora + rope)-wide MQA head.
+
+    q [B, T, H, dn + dr]; entries [B, T, E] the new tokens' latents (E = kv_lora + dr:
+    normalised c, then k_r); past [B, S, E] earlier latents, valid below lengths [B]
+    (S may be 0); kv_b [kv_lora, H, dn + dv] the kv_b_proj kernel. Since
+    q·k_nope = q_nope·(W_uk c) = (W_ukᵀ q_nope)·c, W_uk is folded into q and W_uv applied
+    to the attention-weighted latents, so nothing per head is ever expanded per token.
+    New tokens attend causally among themselves: right padding after a row's real
+    tokens is never seen by them. Returns [B, T, H, dv] fp32.
+    """
+    f32 = jnp.float32
+    r = kv_b.shape[0]
+    T = q.shape[1]
+    w_uk, w_uv = kv_b[..., :dn].astype(f32), kv_b[..., dn:].astype(f32)
+    q = q.astype(f32)
+    qf = jnp.concatenate([jnp.einsum("bthd,rhd->bthr", q[..., :dn], w_uk), q[..., dn:]], axis=-1) * scale
+    new = entries.astype(f32)
+    s_new = jnp.einsum("bthe,bse->bhts", qf, new)
+    s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
+    if past.shape[1] == 0:  # a fresh prefill: no earlier tokens
+        p = jax.nn.softmax(s_new, axis=-1)
+        o = jnp.einsum("bhts,bsr->bthr", p, new[..., :r])
+    else:
+        old = past.astype(f32)
+        s_old = jnp.einsum("bthe,bse->bhts", qf, old)
+        s_old = jnp.where((jnp.arange(old.shape[1])[None, :] < lengths[:, None])[:, None, None, :], s_old, -jnp.inf)
+        p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
+        S = old.shape[1]
+        o = (jnp.einsum("bhts,bsr->bthr", p[..., :S], old[..., :r])
+             + jnp.einsum("bhts,bsr->bthr", p[..., S:], new[..., :r]))
+    return jnp.einsum("bthr,rhv->bthv", o, w_uv)
+
+
 class GatedMLA(nn.Module):
+    """`(x, segment_ids) -> y` over whole sequences; with `cache` ({'kv': [B, S, E]} latents
+    of earlier tokens, valid below `lengths` [B]) it runs the absorbed path for the new
+    tokens and returns `(y, entries [B, T, E])`: the caller writes them into its buffer."""
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None):
+    def __call__(self, x, segment_ids=None, cache=None, lengths=None):
         cfg = self.cfg
         H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         B, T, _ = x.shape
@@ -49,10 +86,19 @@ class GatedMLA(nn.Module):
         ckv = dense(cfg, cfg.kv_lora_rank + dr, ("embed", "kv_lora"), "kv_a_proj_with_mqa")(x)
         c = RMSNorm(cfg.mla_norm_eps, "kv_lora", name="kv_a_layernorm")(ckv[..., :cfg.kv_lora_rank])
         k_r = ckv[..., cfg.kv_lora_rank:]
+
+        def output(o):  # output gate and projection, shared by both paths
+            o = o.reshape(B, T, H * dv)
+            if cfg.mla_use_output_gate:
+                o = o * jax.nn.sigmoid(dense(cfg, H * dv, ("embed", "heads_x_dim"), "g_proj")(x))
+            return dense(cfg, cfg.hidden_size, ("heads_x_dim", "embed"), "o_proj")(o.astype(compute_dtype(cfg)))
+
+        if cache is not None:
+            entries = jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1)
+            kv_b = nn.unbox(self.variables["params"]["kv_b_proj"]["kernel"]).reshape(cfg.kv_lora_rank, H, dn + dv)
+            o = absorbed_attention(q, entries, cache["kv"], lengths, kv_b, dn, cfg.q_head_dim ** -0.5)
+            return output(o.astype(compute_dtype(cfg))), entries
         kv = dense(cfg, H * (dn + dv), ("kv_lora", "heads_x_dim"), "kv_b_proj")(c).reshape(B, T, H, dn + dv)
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_r[:, :, None, :], (B, T, H, dr))], axis=-1)
         o = softmax_attention(q, k, kv[..., dn:], attention_mask(T, segment_ids), cfg.q_head_dim ** -0.5)
-        o = o.reshape(B, T, H * dv)
-        if cfg.mla_use_output_gate:
-            o = o * jax.nn.sigmoid(dense(cfg, H * dv, ("embed", "heads_x_dim"), "g_proj")(x))
-        return dense(cfg, cfg.hidden_size, ("heads_x_dim", "embed"), "o_proj")(o.astype(compute_dtype(cfg)))
+        return output(o)

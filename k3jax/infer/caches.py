@@ -1,0 +1,133 @@
+"""Decode caches as pytrees laid out like the params.
+
+`Cache.layers` has one entry per decoder layer under the layer's param name
+(`layers_0`, ..., and `groups/sub_j` stacked on a leading axis for the scanned groups,
+exactly like the params, so the cache rides through the same `nn.scan`):
+  KDA layer: `q_conv`, `k_conv`, `v_conv` [B, W-1, H*K] (the last W-1 conv inputs, compute
+             dtype) and `state` [B, H, K, V] fp32 — constant size, whatever the context;
+  MLA layer: `kv` [B, max_len, kv_lora + rope] — normalised c then k_r per token, in a
+             preallocated buffer, valid below `lengths`.
+Block AttnRes mixes over depth per token, so nothing of it is cached across time.
+`lengths` [B] int32 counts the tokens cached per row (rows may differ).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.common import compute_dtype
+from k3jax.model import layer_plan
+
+
+class Cache(NamedTuple):
+    layers: dict
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """Token capacity of the MLA buffers (unbounded for KDA-only models: None)."""
+        for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(self.layers):
+            if getattr(leaf_path[-1], "key", None) == "kv":
+                return leaf.shape[-2]
+        return None
+
+
+def _layer_cache(cfg: ModelConfig, kind: str, batch: int, max_len: int, lead: tuple[int, ...]):
+    H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    dt = compute_dtype(cfg)
+    if kind == "kda":
+        # three distinct buffers: a donated cache may not hold one buffer twice
+        tails = {f"{n}_conv": jnp.zeros(lead + (batch, W - 1, H * K), dt) for n in "qkv"}
+        return {**tails,
+                "state": jnp.zeros(lead + (batch, H, K, K), jnp.float32)}
+    return {"kv": jnp.zeros(lead + (batch, max_len, cfg.mla_cache_dim), dt)}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (MLA buffers)."""
+    plan = layer_plan(cfg)
+    layers = {f"layers_{i}": _layer_cache(cfg, cfg.layer_kinds[i], batch, max_len, ())
+              for i in plan.head + plan.tail}
+    if plan.n_groups:
+        layers["groups"] = {f"sub_{j}": _layer_cache(cfg, kind, batch, max_len, (plan.n_groups,))
+                            for j, (kind, _) in enumerate(plan.group)}
+    return Cache(layers, jnp.zeros((batch,), jnp.int32))
+
+
+def empty_past(cache: Cache) -> dict:
+    """The cache as a fresh prefill sees it: zero KDA state and no earlier latents (the
+    MLA buffers cut to length 0, so prefill attends only among its own tokens)."""
+    def cut(path, x):
+        return x[..., :0, :] if getattr(path[-1], "key", None) == "kv" else x
+    return jax.tree_util.tree_map_with_path(cut, cache.layers)
+
+
+def apply_updates(cache: Cache, updates: dict, n_new) -> Cache:
+    """Fold one model call's updates into the cache: KDA entries are replaced, MLA latents
+    [.., B, T, E] are written at each row's positions lengths[b] + t for t < n_new[b]
+    (padding is dropped, never written)."""
+    B = cache.lengths.shape[0]
+
+    def merge(path, old, new):
+        if getattr(path[-1], "key", None) != "kv":
+            return new
+        T, S = new.shape[-2], old.shape[-2]
+        t = jnp.arange(T)[None, :]
+        pos = jnp.where(t < n_new[:, None], cache.lengths[:, None] + t, S)  # S: out of range, dropped
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        if old.ndim == 3:
+            return old.at[rows, pos].set(new.astype(old.dtype), mode="drop")
+        return old.at[:, rows, pos].set(new.astype(old.dtype), mode="drop")
+
+    layers = jax.tree_util.tree_map_with_path(merge, cache.layers, updates)
+    return Cache(layers, cache.lengths + n_new.astype(cache.lengths.dtype))
+
+
+def copy_cache(cache: Cache) -> Cache:
+    """A snapshot that later in-place (donated) decode steps cannot overwrite."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), cache)
+
+
+def select_rows(cache: Cache, rows) -> Cache:
+    """The cache of the given batch rows (e.g. to save one sequence's prefix)."""
+    rows = jnp.asarray(rows)
+    plan_axis = lambda path: 1 if any(getattr(k, "key", None) == "groups" for k in path) else 0  # noqa: E731
+    layers = jax.tree_util.tree_map_with_path(lambda p, x: jnp.take(x, rows, axis=plan_axis(p)), cache.layers)
+    return Cache(layers, cache.lengths[rows])
+
+
+def cache_bytes(cache) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def spec_bytes_per_token(cfg: ModelConfig) -> int:
+    """SPEC §4: each MLA layer caches kv_lora + rope values per token (576 for K3);
+    KDA layers add nothing per token."""
+    return cfg.layer_kinds.count("mla") * cfg.mla_cache_dim * compute_dtype(cfg).itemsize
+
+
+def spec_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """SPEC §3: per KDA layer the fp32 state H·K·V and three conv tails of W-1 inputs."""
+    H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    per = H * K * K * 4 + 3 * (W - 1) * H * K * compute_dtype(cfg).itemsize
+    return cfg.layer_kinds.count("kda") * per
+
+
+def resize(cache: Cache, max_len: int) -> Cache:
+    """The same cache with MLA buffers of `max_len` tokens (grown with zeros, or cut —
+    never below what is cached). KDA entries do not depend on length."""
+    def fit(path, x):
+        if getattr(path[-1], "key", None) != "kv":
+            return x
+        S = x.shape[-2]
+        if max_len >= S:
+            pad = [(0, 0)] * x.ndim
+            pad[-2] = (0, max_len - S)
+            return jnp.pad(x, pad)
+        return x[..., :max_len, :]
+    if cache.max_len is not None and max_len < int(jnp.max(cache.lengths)):
+        raise ValueError(f"cannot cut a cache holding {int(jnp.max(cache.lengths))} tokens to max_len={max_len}")
+    return Cache(jax.tree_util.tree_map_with_path(fit, cache.layers), cache.lengths)
