@@ -9,6 +9,11 @@ Implementations (all compute in fp32 and agree to the tolerances in DESIGN.md):
   "recurrent"  a `lax.scan` over tokens; the oracle, deliberately plain.
   "chunk"      the chunkwise UT/WY form (kda_chunk.py): batched matmuls per chunk and a
                `lax.scan` over chunks carrying the state.
+  "assoc"      the same chunk terms, with every chunk's incoming state from an associative
+               scan of the per-chunk affine maps (kda_scan.py): logarithmic depth.
+  "pallas"     Pallas kernels for the chunk terms and the state recurrence, forward and
+               backward (pallas_kernels/kda); interpreted on CPU.
+Context parallelism over a mesh axis is `kda_scan.context_parallel_kda`.
 `kda_step` is the one-token decode update of the same recurrence.
 """
 
@@ -17,9 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops import kda_chunk
+from k3jax.ops import kda_chunk, kda_scan
 
-IMPLS = ("recurrent", "chunk")
+IMPLS = ("recurrent", "chunk", "assoc", "pallas")
 
 _PREC = jax.lax.Precision.HIGHEST
 
@@ -101,8 +106,10 @@ def kda(
       output_final_state: also return the state after the last token.
       segment_ids: [B, T] int, packed documents; the state restarts from zero wherever
         the id differs from the previous token's.
-      impl: "recurrent" (oracle) or "chunk".
-      chunk_size: tokens per chunk for impl="chunk"; T need not be a multiple of it.
+      impl: "recurrent" (oracle), "chunk", "assoc" or "pallas".
+      chunk_size: tokens per chunk for the chunked impls; T need not be a multiple of it.
+        "pallas" needs a power of two >= 16 here and K, V powers of two >= 16 (Triton
+        block shapes, 16-wide sub-chunks).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
@@ -127,8 +134,14 @@ def kda(
 
     if impl == "recurrent":
         o, h = _recurrent(q, k, v, g, beta, h0, reset)
-    else:
+    elif impl == "chunk":
         o, h = kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    elif impl == "assoc":
+        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    else:
+        from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
+
+        o, h = pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
     return o.astype(out_dtype), (h if output_final_state else None)
 
 

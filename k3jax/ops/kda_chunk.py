@@ -10,9 +10,12 @@ Within a chunk of C tokens, with G the in-chunk cumulative log decay:
 and per chunk, carrying h:  V' = U − W h;  O = Q̃ h + P V';  h ← Diag(e^{G_C}) h + K̃ᵀ V'.
 
 Every exponent is kept <= 0: the gate can be unbounded below (Kimi-Linear's softplus
-gate), so e^{G_j−G_i} for j < i would overflow. Pairwise decays are either masked before
-the exp (diagonal sub-chunk blocks) or factored through a reference token that sits
-between i and j (off-diagonal sub-chunk blocks), so each factor is e^{≤0}.
+gate), so e^{G_j−G_i} for j < i would overflow. Pairwise decays are factored through a
+reference token that sits between i and j, so each factor is e^{≤0} (_intra_chunk_scores).
+
+XLA:CPU notes that shaped this file: batched matmuls run far faster than cumsum
+(reduce-window), triangular_solve, three-operand einsums or lax.cond, so the cumulative
+sum, the scores and the triangular inverse are all plain matmuls.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ import jax.numpy as jnp
 # span many orders of magnitude, so bf16 passes (TPU default precision) are not enough.
 _PREC = jax.lax.Precision.HIGHEST
 
-# Width of the sub-chunks whose diagonal blocks get an elementwise [c, c, K] decay tensor.
-_SUB = 16
 
 
 def _einsum(spec, *operands):
@@ -55,41 +56,85 @@ def _to_chunks(x, n_chunks, chunk_size):
     return jnp.moveaxis(x, 3, 1)
 
 
-def _intra_chunk_scores(q, k, G, sub):
-    """Raw pairwise scores x_i·(k_j ⊙ e^{G_i−G_j}) for x = q and x = k, [..., C, C].
+def _intra_chunk_scores(q, k, G):
+    """Pairwise scores x_i·(k_j ⊙ e^{G_i−G_j}) for x = q and x = k, i >= j, [..., C, C].
 
     Entries with j > i are zero; the caller applies the causal / same-document masks.
+    Recursive halving: in a block of b tokens, every pair (i in the upper half, j in the
+    lower half) factors through the upper half's first token m (j < m <= i) as
+    e^{G_i−G_m} · e^{G_m−G_j}, both e^{<=0}, so the whole off-diagonal quadrant is one
+    matmul; the two halves recurse. Every exponent is <= 0 for any gate, the FLOPs are
+    those of one half C×C×K product, and there are log2(C) exps per element of q and k
+    (an elementwise [C, C, K] decay tensor would need C, and is memory-bound on CPU).
     """
-    *lead, C, K = k.shape
-    n = C // sub
-    qs, ks, Gs = (x.reshape(*lead, n, sub, K) for x in (q, k, G))
+    *lead, b, K = k.shape
+    if b == 1:
+        return jnp.sum(q * k, -1)[..., None], jnp.sum(k * k, -1)[..., None]
+    h = b // 2
+    halves = lambda x: x.reshape(*lead, 2, h, K)  # noqa: E731
+    q2, k2, G2 = halves(q), halves(k), halves(G)
+    m = G2[..., 1, :1, :]
+    row = jnp.exp(G2[..., 1, :, :] - m)  # upper half, e^{G_i − G_m}
+    col = k2[..., 0, :, :] * jnp.exp(m - G2[..., 0, :, :])  # lower half, e^{G_m − G_j}
+    off_q = _einsum("...ik,...jk->...ij", q2[..., 1, :, :] * row, col)
+    off_k = _einsum("...ik,...jk->...ij", k2[..., 1, :, :] * row, col)
+    # Recurse on a flat batch: nesting [..., 2, 2, ..., h, K] would grow the rank with
+    # log2(C), and XLA:CPU aborts on rank-8 fusions (C = 128).
+    fold = lambda x: x.reshape(-1, h, K)  # noqa: E731
+    in_q, in_k = _intra_chunk_scores(fold(q2), fold(k2), fold(G2))
+    in_q, in_k = (x.reshape(*lead, 2, h, h) for x in (in_q, in_k))
 
-    # Off-diagonal blocks (sub-chunk J < I): the first token of sub-chunk I sits between
-    # every j in J and every i in I, so e^{G_i−G_ref} and e^{G_ref−G_j} are both e^{≤0}.
-    ref = Gs[..., :, :1, :]  # [..., n, 1, K]
-    row = jnp.exp(Gs - ref)  # [..., I, i, K]
-    below = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]  # [I, J, 1, 1]
-    d_col = ref[..., :, None, :, :] - Gs[..., None, :, :, :]  # [..., I, J, j, K]
-    # Mask before the exp (J >= I would give positive exponents) and after it, so the
-    # masked branch neither overflows nor leaks a gradient.
-    col = jnp.where(below, ks[..., None, :, :, :] * jnp.exp(jnp.where(below, d_col, 0.0)), 0.0)
-    off_q = _einsum("...Iik,...IJjk->...IJij", qs * row, col)
-    off_k = _einsum("...Iik,...IJjk->...IJij", ks * row, col)
+    def assemble(off, inner):
+        zero = jnp.zeros_like(off)
+        top = jnp.concatenate([inner[..., 0, :, :], zero], axis=-1)
+        bottom = jnp.concatenate([off, inner[..., 1, :, :]], axis=-1)
+        return jnp.concatenate([top, bottom], axis=-2)
 
-    # Diagonal blocks: an elementwise decay tensor, masked to i >= j before the exp.
-    tri = (jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :])[:, :, None]  # [i, j, 1]
-    d_diag = Gs[..., :, :, None, :] - Gs[..., :, None, :, :]  # [..., n, i, j, K]
-    e_diag = jnp.where(tri, jnp.exp(jnp.where(tri, d_diag, 0.0)), 0.0)
-    diag_q = _einsum("...nik,...njk,...nijk->...nij", qs, ks, e_diag)
-    diag_k = _einsum("...nik,...njk,...nijk->...nij", ks, ks, e_diag)
+    return assemble(off_q, in_q), assemble(off_k, in_k)
 
-    on_diag = jnp.eye(n, dtype=bool)[:, :, None, None]
 
-    def assemble(off, diag):
-        blocks = jnp.where(on_diag, diag[..., :, None, :, :], off)  # [..., I, J, i, j]
-        return jnp.swapaxes(blocks, -3, -2).reshape(*lead, C, C)
+# Diagonal block size of the blocked triangular solve.
+_SOLVE_BLOCK = 16
 
-    return assemble(off_q, diag_q), assemble(off_k, diag_k)
+
+def solve_unit_lower(a, rhs):
+    """X with (I + A) X = rhs, A strictly lower-triangular [Z, C, C], rhs [Z, C, D].
+
+    Blocked forward substitution: the 16×16 diagonal blocks are inverted by repeated
+    squaring (unit_lower_inverse), then C/16 sequential steps of batched matmuls. The
+    full C×C inverse would cost 2·log2(C) C×C products, more than the whole rest of the
+    chunk terms; XLA:CPU's triangular_solve is slower still.
+    """
+    Z, C, _ = a.shape
+    b = math.gcd(C, _SOLVE_BLOCK)
+    n = C // b
+    idx = jnp.arange(n)
+    diag_inv = unit_lower_inverse(a.reshape(Z, n, b, n, b)[:, idx, :, idx, :])  # [n, Z, b, b]
+    xs = []
+    for i in range(n):
+        r = rhs[:, i * b : (i + 1) * b]
+        if i:
+            r = r - _einsum("zij,zjd->zid", a[:, i * b : (i + 1) * b, : i * b], jnp.concatenate(xs, 1))
+        xs.append(_einsum("zij,zjd->zid", diag_inv[i], r))
+    return jnp.concatenate(xs, axis=1)
+
+
+def unit_lower_inverse(a):
+    """(I + A)^{-1} for strictly lower-triangular A [..., C, C], by repeated squaring.
+
+    A is nilpotent (A^C = 0), so (I + A)^{-1} = Σ_n (−A)^n = Π_k (I + (−A)^{2^k}):
+    2·log2(C) batched matmuls. XLA:CPU's batched triangular_solve runs at a small
+    fraction of its matmul rate, and matmuls are what TPUs and GPUs do best anyway.
+    """
+    C = a.shape[-1]
+    x = -a
+    inv = jnp.eye(C, dtype=a.dtype) + x
+    span = 2
+    while span < C:
+        x = _einsum("...ij,...jk->...ik", x, x)
+        inv = inv + _einsum("...ij,...jk->...ik", inv, x)
+        span *= 2
+    return inv
 
 
 def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
@@ -113,29 +158,35 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
 
     # Document structure per chunk, as masks (never -inf gates: inf − inf = nan).
     r = jnp.pad(reset, [(0, 0), (0, n_chunks * chunk_size - T)])
-    r = jnp.cumsum(r.reshape(B, 1, n_chunks, chunk_size).astype(jnp.int32), axis=-1)
+    r = jnp.cumsum(r.reshape(B, 1, n_chunks, chunk_size).astype(jnp.int32), axis=-1)  # [B]-sized
     r = jnp.broadcast_to(r, (B, H, n_chunks, chunk_size)).reshape(-1, chunk_size)
     sees_in = r == 0  # no reset between the chunk start and this token (inclusive)
     reaches_out = r == r[..., -1:]  # no reset after this token within the chunk
     same_doc = r[..., :, None] == r[..., None, :]  # [Z, C, C]
     clean = r[..., -1] == 0  # the incoming state survives the whole chunk
 
-    G = jnp.cumsum(g, axis=-2)
+    # In-chunk cumulative sum as a matmul with a triangle of ones: XLA:CPU lowers cumsum
+    # to a reduce-window (C adds per element, unvectorised), several times slower.
+    G = _einsum("ij,zjk->zik", jnp.tril(jnp.ones((chunk_size, chunk_size), g.dtype)), g)
     G_last = G[..., -1:, :]
-    sub = math.gcd(chunk_size, _SUB)
-    p_raw, a_raw = _intra_chunk_scores(q, k, G, sub)
+    pow2 = 1 << (chunk_size - 1).bit_length()  # the halving recursion wants a power of two
+    if pow2 == chunk_size:
+        p_raw, a_raw = _intra_chunk_scores(q, k, G)
+    else:  # pad with k = 0 tokens (no scores) that do not decay, then drop them
+        pad = [(0, 0), (0, pow2 - chunk_size), (0, 0)]
+        p_raw, a_raw = _intra_chunk_scores(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(G, pad, mode="edge"))
+        p_raw, a_raw = p_raw[:, :chunk_size, :chunk_size], a_raw[:, :chunk_size, :chunk_size]
     causal = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool))
     strict = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool), k=-1)
     p = jnp.where(causal & same_doc, p_raw, 0.0)
     a = jnp.where(strict & same_doc, a_raw, 0.0) * beta[..., :, None]
 
-    # (I + A)^{-1} diag(β) applied to [K ⊙ e^G | V] in one exact triangular solve; T itself
-    # is never formed. Rows past a reset must not read the incoming state, so their
-    # K ⊙ e^G rows are zeroed (A couples only tokens of the same document).
+    # T = (I + A)^{-1} diag(β) applied to [K ⊙ e^G | V]. Rows past a reset must not read
+    # the incoming state, so their K ⊙ e^G rows are zeroed (A couples only tokens of the
+    # same document).
     k_decayed = jnp.where(sees_in[..., None], k * jnp.exp(G), 0.0)
     rhs = beta[..., None] * jnp.concatenate([k_decayed, v], axis=-1)
-    eye = jnp.eye(chunk_size, dtype=a.dtype)
-    wu = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    wu = solve_unit_lower(a, rhs)
     w, u = wu[..., : k.shape[-1]], wu[..., k.shape[-1] :]
 
     terms = ChunkTerms(
@@ -150,11 +201,15 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
 
 
 def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
-    """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V])."""
+    """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V]).
+
+    Everything state-independent is built in one batched pass (chunk_terms); the scan
+    over chunks keeps only the h-dependent products. (Moving the outputs out of the loop
+    into a second batched pass measured ~15% slower on XLA:CPU: it re-reads h and V'.)
+    """
     T = q.shape[1]
     terms = chunk_terms(q, k, v, g, beta, reset, chunk_size)
-    # Scan over chunks (axis 2); only the h-dependent products remain inside the loop.
-    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)  # scan over chunks (axis 2)
 
     def step(h, c: ChunkTerms):
         v_new = c.u - _einsum("bhck,bhkv->bhcv", c.w, h)
@@ -168,6 +223,13 @@ def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
     return o[:, :T], h
 
 
+def _transitions(c: ChunkTerms):
+    """(M = Diag(e^{G_C}) − K̃ᵀW, N = K̃ᵀU) from chunk terms of any leading shape."""
+    m = _einsum("...ck,...cj->...kj", c.k_tail, c.w)
+    m = jnp.eye(m.shape[-1], dtype=m.dtype) * c.decay[..., None, :] - m
+    return m, _einsum("...ck,...cv->...kv", c.k_tail, c.u)
+
+
 def chunk_transitions(k, v, g, beta, reset, chunk_size):
     """Each chunk as an affine map of its incoming state, h ↦ M h + N (SPEC.md §3).
 
@@ -176,7 +238,4 @@ def chunk_transitions(k, v, g, beta, reset, chunk_size):
     these yields every chunk's incoming state.
     """
     # The transition does not involve q; k stands in for it and P is simply unused.
-    c = chunk_terms(k, k, v, g, beta, reset, chunk_size)
-    m = _einsum("...ck,...cj->...kj", c.k_tail, c.w)
-    m = jnp.eye(m.shape[-1], dtype=m.dtype) * c.decay[..., None, :] - m
-    return m, _einsum("...ck,...cv->...kv", c.k_tail, c.u)
+    return _transitions(chunk_terms(k, k, v, g, beta, reset, chunk_size))

@@ -1,0 +1,169 @@
+"""KDA speed on this machine: tokens/s per impl, chunk's FLOP rate against a dense matmul,
+and flash-linear-attention's torch reference on the same inputs.
+
+    python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3]
+
+Prints one line per (T, impl) and the ratios the KDA issue asks for:
+  chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3),
+  chunk / recurrent tokens/s at the longest T (target >= 2),
+  chunk / faster of fla's naive_recurrent_kda and naive_chunk_kda (target >= 2.5).
+`pallas` runs in interpret mode on CPU: it is checked for correctness, never timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.kda import kda
+
+
+def best_time(fn, reps):
+    """Seconds for the fastest of `reps` runs, after one warm-up (compile) run."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def dense_matmul_rate(n=2048, reps=5):
+    """fp32 FLOP/s of one jitted [n, n] @ [n, n] (HIGHEST precision, as KDA uses)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x: jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
+    return 2 * n**3 / best_time(lambda: mm(a), reps)
+
+
+def chunk_flops(T, H, K, V, C):
+    """Matmul FLOPs of the chunk algorithm (SPEC.md §3), per sequence: per chunk, the
+    scores P and A (2·2C²K), the triangular solve for [W | U] (C²(K+V)), and in the state
+    loop W h, Q̃ h, K̃ᵀV' (3·2CKV) and P V' (2C²V)."""
+    n = -(-T // C)
+    per_chunk = 4 * C * C * K + C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
+    return H * n * per_chunk
+
+
+def make_inputs(B, T, H, K, V, seed=0):
+    rng = np.random.default_rng(seed)
+    norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    return dict(
+        q=norm(rng.standard_normal((B, T, H, K))).astype(np.float32),
+        k=norm(rng.standard_normal((B, T, H, K))).astype(np.float32),
+        v=rng.standard_normal((B, T, H, V)).astype(np.float32),
+        g=(-5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, H, K))))).astype(np.float32),
+        beta=(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32),
+    )
+
+
+def load_fla_naive():
+    """fla's torch reference, by file path (importing fla.ops would pull in triton)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "ops", "kda", "naive.py")
+    if not os.path.exists(path):
+        return None
+    mod_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def time_fla(fla, x, C):
+    """tokens/s of the faster of fla's naive_recurrent_kda / naive_chunk_kda (one run each)."""
+    import torch
+
+    t = {n: torch.from_numpy(a.copy()) for n, a in x.items()}
+    T = x["q"].shape[1]
+    best = 0.0
+    for name in ("naive_recurrent_kda", "naive_chunk_kda"):
+        f = getattr(fla, name, None)
+        if f is None:
+            continue
+        kw = dict(output_final_state=True, **({"chunk_size": C} if "chunk" in name else {}))
+        with torch.no_grad():
+            f(**{n: a[:, :C] for n, a in t.items()}, **kw)  # warm-up
+            t0 = time.perf_counter()
+            f(**t, **kw)
+            secs = time.perf_counter() - t0
+        best = max(best, T / secs)
+        print(f"T={T:6d} fla.{name:20s} {secs * 1e3:9.1f} ms  {T / secs:10.0f} tok/s "
+              f"(torch, {torch.get_num_threads()} threads)")
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=8)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--C", type=int, nargs="+", default=[64, 32],
+                    help="chunk sizes for chunk/assoc (the first is the reported one)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--impls", nargs="+", default=["recurrent", "chunk", "assoc"])
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-tokens", type=int, default=1024,
+                    help="sequence length for the (linear-time) fla torch references")
+    args = ap.parse_args()
+    B, H, K, V = args.B, args.H, args.K, args.K
+
+    peak = dense_matmul_rate()
+    print(f"backend {jax.default_backend()}, {os.cpu_count()} cpus; dense fp32 matmul "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
+    fla = None if args.no_fla else load_fla_naive()
+    if fla is None and not args.no_fla:
+        print("fla-core not installed: no torch reference")
+
+    fn = jax.jit(kda, static_argnames=("impl", "chunk_size", "output_final_state"))
+    results = {}
+    if fla is not None:
+        # Both torch references cost linear time in T (a Python loop over tokens or over
+        # chunks), so one prefix of --fla-tokens tokens gives their tokens/s for every T.
+        results["fla"] = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
+    for T in args.T:
+        x = {n: jnp.asarray(a) for n, a in make_inputs(B, T, H, K, V).items()}
+        runs = [(impl, C) for impl in args.impls
+                for C in (args.C if impl in ("chunk", "assoc") else args.C[:1])]
+        for impl, C in runs:
+            run = lambda: fn(**x, impl=impl, chunk_size=C, output_final_state=True)  # noqa: E731
+            reps = args.reps if T <= 4096 else max(1, args.reps - 1)
+            secs = best_time(run, reps)
+            key = impl if C == args.C[0] else f"{impl}/C{C}"
+            results[T, key] = B * T / secs
+            extra = ""
+            if impl == "chunk":
+                rate = B * chunk_flops(T, H, K, V, C) / secs
+                results[T, key + "_frac"] = rate / peak
+                extra = f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul"
+            print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}")
+    Tmax = max(args.T)
+    print("--- summary")
+    for T in args.T:
+        line = f"T={T:6d}"
+        if (T, "chunk_frac") in results:
+            line += f"  chunk FLOP fraction {results[T, 'chunk_frac']:.2f} (target >= 0.3)"
+        best = max((v, k[1]) for k, v in results.items()
+                   if isinstance(k, tuple) and k[0] == T and k[1].startswith("chunk")
+                   and not k[1].endswith("_frac")) if (T, "chunk") in results else None
+        if best and best[1] != "chunk":
+            line += f"  (fastest: {best[1]})"
+        if (T, "recurrent") in results and (T, "chunk") in results:
+            line += f"  chunk/recurrent {results[T, 'chunk'] / results[T, 'recurrent']:.2f}x"
+        if results.get("fla") and (T, "chunk") in results:
+            line += f"  chunk/fla-best {results[T, 'chunk'] / results['fla']:.2f}x (target >= 2.5)"
+        print(line)
+    print(f"targets at T={Tmax}: chunk/recurrent >= 2x")
+
+
+if __name__ == "__main__":
+    main()

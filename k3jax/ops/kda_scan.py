@@ -1,0 +1,152 @@
+"""KDA through chunk transitions: associative scan and context parallelism (SPEC.md §3).
+
+Each chunk (or a whole device's segment) acts on its incoming state as an affine map
+h ↦ M h + N, with M = Diag(e^{G_C}) − K̃ᵀW [K, K] and N = K̃ᵀU [K, V]. Composing an earlier
+map a with a later map b gives (M_b M_a, M_b N_a + N_b): associative, not commutative.
+
+- `assoc_kda` (kda(impl="assoc")): all chunk transitions at once, a
+  `jax.lax.associative_scan` for every chunk's incoming state in logarithmic depth, then
+  every chunk's output in one batched pass. No sequential loop over chunks at all, at the
+  price of K×K matrix products in the scan (worth it when the chunk loop, not the FLOPs,
+  bounds the time: long sequences on wide accelerators).
+- `context_parallel_kda`: the same idea across devices. Called inside `jax.shard_map`
+  with the time axis split over a mesh axis; each device reduces its segment to one
+  (M, N) pair, the fixed-size pairs are all-gathered and prefix-combined, and each device
+  finishes its chunks from its true incoming state. Communication is O(K·(K+V)) per head
+  and device, independent of the sequence length.
+
+Inputs are fp32 and q carries the attention scale, as in kda_chunk; packed documents
+arrive as `reset` [B, T] bool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops import kda_chunk
+
+_PREC = jax.lax.Precision.HIGHEST
+
+
+def _einsum(spec, *operands):
+    return jnp.einsum(spec, *operands, precision=_PREC)
+
+
+def compose(a, b):
+    """(M, N) of `a` then `b` (a earlier): h ↦ M_b (M_a h + N_a) + N_b."""
+    m_a, n_a = a
+    m_b, n_b = b
+    return _einsum("...ij,...jk->...ik", m_b, m_a), _einsum("...ij,...jv->...iv", m_b, n_a) + n_b
+
+
+def terms_to_transitions(terms: kda_chunk.ChunkTerms):
+    """Per-chunk (M [..., K, K], N [..., K, V]) from chunk terms of shape [..., C, ·]."""
+    return kda_chunk._transitions(terms)
+
+
+def _apply(mn, h):
+    m, n = mn
+    return _einsum("...kj,...jv->...kv", m, h) + n
+
+
+def _chunk_outputs(terms: kda_chunk.ChunkTerms, h_in):
+    """Outputs of every chunk given its incoming state h_in [Z, K, V]; terms [Z, C, ·]."""
+    v_new = terms.u - _einsum("zck,zkv->zcv", terms.w, h_in)
+    return _einsum("zck,zkv->zcv", terms.q_decayed, h_in) + _einsum("zij,zjv->ziv", terms.p, v_new)
+
+
+def _prefix(terms):
+    """Inclusive prefix composition of the chunk maps along the chunk axis (2)."""
+    return jax.lax.associative_scan(compose, terms_to_transitions(terms), axis=2)
+
+
+def _local_scan(terms, h0, prefix):
+    """Outputs of every chunk, and the state after the last one.
+
+    terms are [B, H, N, ...], prefix = _prefix(terms); h0 [B, H, K, V].
+    Returns (outputs [B, H, N, C, V], final [B, H, K, V]).
+    """
+    B, H, N = terms.w.shape[:3]
+    after = _apply(prefix, h0[:, :, None])  # state after chunk n: [B, H, N, K, V]
+    h_in = jnp.concatenate([h0[:, :, None], after[:, :, :-1]], axis=2)
+    # The batched output products run on one flat axis Z = B·H·N (the jaxlib CPU gradient
+    # segfault with size-1 axes between larger ones, see kda_chunk.chunk_terms).
+    flat = lambda x: x.reshape(B * H * N, *x.shape[3:])  # noqa: E731
+    o = _chunk_outputs(jax.tree.map(flat, terms), flat(h_in))
+    return o.reshape(B, H, N, *o.shape[1:]), after[:, :, -1]
+
+
+def _untile(o, T):
+    """[B, H, N, C, V] -> [B, T, H, V]."""
+    B, H, N, C, V = o.shape
+    return jnp.transpose(o, (0, 2, 3, 1, 4)).reshape(B, N * C, H, V)[:, :T]
+
+
+def assoc_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
+    """Chunkwise KDA with an associative scan over chunks; fp32 in and out."""
+    T = q.shape[1]
+    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size)
+    o, h = _local_scan(terms, initial_state, _prefix(terms))
+    return _untile(o, T), h
+
+
+def context_parallel_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    axis_name="context",
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    segment_ids=None,
+    chunk_size=64,
+):
+    """`kda` on this device's slice of the time axis, inside `jax.shard_map`.
+
+    Arguments are the local shards ([B, T_local, H, ·]; segment_ids [B, T_local]) and mean
+    what they mean for `k3jax.ops.kda.kda`; `initial_state` [B, H, K, V] is replicated and
+    belongs to the first device's first document. Devices hold consecutive slices in
+    `axis_name` order. T_local need not be a multiple of chunk_size (the padding is an
+    identity map). Returns (o_local, final state or None); the final state is the same on
+    every device (shard it out with an unpartitioned spec).
+    """
+    from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
+
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    kda_mod._validate(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = v.dtype
+    scale = K**-0.5 if scale is None else scale
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
+    h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else f32(initial_state)
+
+    idx = jax.lax.axis_index(axis_name)
+    reset = kda_mod._resets(segment_ids, B, T)
+    if segment_ids is not None:
+        # The first local token starts a document when the previous device's last token
+        # belongs to another one: one id per row crosses the device boundary.
+        last_ids = jax.lax.all_gather(segment_ids[:, -1], axis_name)  # [P, B]
+        prev = last_ids[jnp.maximum(idx - 1, 0)]
+        reset = reset.at[:, 0].set((idx > 0) & (segment_ids[:, 0] != prev))
+
+    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size)
+    local = _prefix(terms)
+    segment = jax.tree.map(lambda x: x[:, :, -1], local)  # this device's whole map
+
+    # Exchange the fixed-size segment maps and prefix-combine them: every device learns
+    # every device's outgoing state, and takes its predecessor's as its incoming one.
+    gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), segment)  # [P, ...]
+    prefix = jax.lax.associative_scan(compose, gathered, axis=0)
+    after = _apply(prefix, h0[None])  # state after device p: [P, B, H, K, V]
+    h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)])
+
+    o, _ = _local_scan(terms, h_in, local)
+    final = after[-1] if output_final_state else None
+    return _untile(o, T).astype(out_dtype), final

@@ -1,0 +1,132 @@
+"""KDA with Pallas kernels, joined into one differentiable function by `jax.custom_vjp`.
+
+Forward: `fwd.chunk_terms` (the intra-chunk factorisation, parallel over chunks) then
+`fwd.recurrence` (state propagation and outputs). Backward: `bwd.recurrence_bwd` walks
+the chunks in reverse for the cotangents of the chunk terms and of h0; those are pulled
+back to q, k, v, g, β through the VJP of the pure-JAX chunk terms (k3jax.ops.kda_chunk,
+the same math, parallel over chunks, compiled by XLA).
+
+Inputs follow k3jax.ops.kda_chunk: fp32, q pre-scaled, `reset` [B, T] bool. Kernels run
+in interpret mode on CPU and are compiled with Mosaic on TPU and Triton on GPU: with
+mode="auto" each kernel call is a `jax.lax.platform_dependent` over the three, so the
+choice is made per lowering platform (one jitted function serves CPU tests and exports
+for TPU and CUDA alike).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import bwd, fwd
+
+SUB = fwd.SUB
+
+
+MODES = ("auto",) + fwd.MODES
+
+
+def _run(fn, *args, mode, **kw):
+    if mode != "auto":
+        return fn(*args, mode=mode, **kw)
+    per = lambda m: functools.partial(fn, mode=m, **kw)  # noqa: E731
+    return jax.lax.platform_dependent(*args, tpu=per("tpu"), cuda=per("triton"),
+                                      rocm=per("triton"), default=per("interpret"))
+
+
+def _to_kernel(x, t_pad):
+    """[B, T, H, D] -> [B·H, T_pad, D], zero-padded (a padded token is the identity map)."""
+    B, T, H, D = x.shape
+    x = jnp.pad(x, [(0, 0), (0, t_pad - T), (0, 0), (0, 0)])
+    return jnp.transpose(x, (0, 2, 1, 3)).reshape(B * H, t_pad, D)
+
+
+def _from_kernel(x, B, T):
+    Z, t_pad, D = x.shape
+    return jnp.transpose(x.reshape(B, Z // B, t_pad, D), (0, 2, 1, 3))[:, :T]
+
+
+def _masks(reset, n_chunks, chunk_size):
+    """Document structure per chunk, prepared outside the kernels (float 0/1):
+    same [B, Tp, C] (token i and chunk column j share a document), sees_in [B, Tp, 1] (no
+    document start since the chunk began), reaches_out [B, Tp, 1] (none after it)."""
+    B, T = reset.shape
+    r = jnp.pad(reset, [(0, 0), (0, n_chunks * chunk_size - T)])
+    r = jnp.cumsum(r.reshape(B, n_chunks, chunk_size).astype(jnp.int32), axis=-1)
+    same = (r[..., :, None] == r[..., None, :]).reshape(B, -1, chunk_size)
+    sees_in = (r == 0).reshape(B, -1, 1)
+    reaches_out = (r == r[..., -1:]).reshape(B, -1, 1)
+    return tuple(m.astype(jnp.float32) for m in (same, sees_in, reaches_out))
+
+
+def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode):
+    B, T, H, K = q.shape
+    n_chunks = max(1, -(-T // chunk_size))
+    t_pad = n_chunks * chunk_size
+    ins = [_to_kernel(x, t_pad) for x in (q, k, v, g, beta[..., None])]
+    terms = _run(fwd.chunk_terms, *ins, *_masks(reset, n_chunks, chunk_size), heads=H,
+                 chunk_size=chunk_size, mode=mode)
+    h0z = h0.reshape(B * H, K, v.shape[-1])
+    o, hs, ht = _run(fwd.recurrence, *terms, h0z, chunk_size=chunk_size, mode=mode)
+    return _from_kernel(o, B, T), ht.reshape(h0.shape), hs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kda(q, k, v, g, beta, h0, reset, chunk_size, mode):
+    o, ht, _ = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode)
+    return o, ht
+
+
+def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode):
+    o, ht, hs = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode)
+    return (o, ht), (q, k, v, g, beta, reset, hs)
+
+
+def _kda_bwd(chunk_size, mode, res, cts):
+    from k3jax.ops import kda_chunk
+
+    q, k, v, g, beta, reset, hs = res
+    do, dht = cts
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    terms_fn = lambda *x: kda_chunk.chunk_terms(*x, reset > 0, chunk_size)  # noqa: E731
+    terms, pullback = jax.vjp(terms_fn, q, k, v, g, beta)
+    N = terms.w.shape[2]
+    # [B, H, N, C, D] and the kernels' [B·H, N·C, D] are the same memory order.
+    z = lambda x: x.reshape(B * H, N * x.shape[3], *x.shape[4:])  # noqa: E731
+    kin = [z(terms.q_decayed), z(terms.p), z(terms.w), z(terms.u), z(terms.k_tail),
+           terms.decay.reshape(B * H, N * K, 1)]
+    dterms = _run(bwd.recurrence_bwd, *kin, hs,
+                  _to_kernel(do.astype(jnp.float32), N * chunk_size), dht.reshape(B * H, K, V),
+                  chunk_size=chunk_size, mode=mode)
+    *d_tok, d_dec, dh0 = dterms
+    unz = lambda x, ref: x.reshape(ref.shape)  # noqa: E731
+    d_terms = type(terms)(*(unz(d, t) for d, t in zip(d_tok, terms[:5])),
+                          decay=d_dec.reshape(terms.decay.shape))
+    dq, dk, dv, dg, dbeta = pullback(d_terms)
+    return dq, dk, dv, dg, dbeta, dh0.reshape(B, H, K, V), jnp.zeros_like(reset)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto"):
+    """KDA through the Pallas kernels. fp32 in and out; returns (o [B,T,H,V], final state).
+
+    chunk_size must be a multiple of 16 and a power of two (Triton block shapes).
+    mode: "auto" (interpret on CPU, Mosaic on TPU, Triton on GPU, decided per lowering
+    platform), or one of "interpret", "tpu", "triton" to force it.
+    """
+    if mode not in MODES:
+        raise ValueError(f"kda(impl='pallas'): unknown mode {mode!r}; expected one of {MODES}")
+    if chunk_size % SUB or chunk_size & (chunk_size - 1):
+        raise ValueError(f"kda(impl='pallas'): chunk_size must be a power of two and a multiple "
+                         f"of {SUB}, got {chunk_size}")
+    K, V = q.shape[-1], v.shape[-1]
+    for name, d in (("K", K), ("V", V)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"kda(impl='pallas'): head dim {name}={d} must be a power of two >= 16")
+    reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
+    return _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode)
