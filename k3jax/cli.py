@@ -18,7 +18,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow options (`train CONFIG --mesh M steps=10`), which
+    # argparse alone leaves unparsed after the first run of positionals
+    if extra:
+        if getattr(args, "overrides", None) is not None and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from k3jax.config import ConfigError
     from k3jax.model import InputError
     try:

@@ -32,3 +32,65 @@ class ByteTokenizer:
     def for_config(cls, cfg) -> "ByteTokenizer":
         return cls(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id,
                    vocab_size=cfg.vocab_size)
+
+
+class TiktokenTokenizer:
+    """The real vocabulary: a tiktoken BPE file (`tiktoken.model`: one `base64(token) rank`
+    per line) plus special tokens in the ids above the BPE ranks.
+
+    `tiktoken` is imported here, not at module import, so the toy path never needs it.
+    Specials without a given name are `<|reserved_token_{id}|>` so every id decodes. The
+    pre-tokeniser regex is a parameter: pass the one shipped with the checkpoint's
+    tokenizer for exact parity; the default splits Han runs, letter words with their
+    contractions, digit groups of up to three, punctuation runs and whitespace.
+    """
+    DEFAULT_PATTERN = "|".join([
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ])
+
+    def __init__(self, bpe_file: str, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int | None = None,
+                 special_names: dict[int, str] | None = None, pattern: str | None = None):
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError as e:  # a clear message instead of a bare ModuleNotFoundError
+            raise ImportError("the real-vocabulary tokenizer needs `pip install tiktoken`") from e
+        ranks = load_tiktoken_bpe(bpe_file)
+        n_base = len(ranks)
+        if n_base > vocab_size:
+            raise ValueError(f"{bpe_file}: {n_base} BPE ranks exceed vocab_size={vocab_size}")
+        names = dict(special_names or {})
+        specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, vocab_size)}
+        for name, i in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
+            if i is not None and not n_base <= i < vocab_size:
+                raise ValueError(f"{name}={i}: special ids must lie in [{n_base}, {vocab_size})")
+        self._enc = tiktoken.Encoding(name="k3jax_bpe", pat_str=pattern or self.DEFAULT_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self.n_base, self.vocab_size = n_base, vocab_size
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        # Special-token strings inside user text stay ordinary text: no injected control ids.
+        ids = self._enc.encode_ordinary(text)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids if 0 <= int(i) < self.n_base])
+
+
+def tokenizer_for(cfg, kind: str = "byte", bpe_file: str | None = None, pattern: str | None = None):
+    """The tokenizer a train config names: 'byte' (toy) or 'tiktoken' (needs bpe_file)."""
+    if kind == "byte":
+        return ByteTokenizer.for_config(cfg)
+    if kind == "tiktoken":
+        if not bpe_file:
+            raise ValueError("tokenizer 'tiktoken' needs data.bpe_file (the checkpoint's tiktoken.model)")
+        return TiktokenTokenizer(bpe_file, vocab_size=cfg.vocab_size, bos_id=cfg.bos_token_id,
+                                 eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id, pattern=pattern)
+    raise ValueError(f"unknown tokenizer {kind!r} (expected 'byte' or 'tiktoken')")

@@ -91,10 +91,13 @@ def test_convert_export_round_trip_is_byte_identical(tmp_path):
 # ---------------------------------------------------------------------------------------
 # Logits from the Orbax checkpoint, through the command line
 # ---------------------------------------------------------------------------------------
-def test_logits_command_from_orbax_matches_reference(fixture_a_orbax, tmp_path):
+@pytest.mark.parametrize("mesh", [None, "data2_fsdp2_expert2"])
+def test_logits_command_from_orbax_matches_reference(fixture_a_orbax, tmp_path, mesh):
     d = FIXTURES / "fixture_a"
     out = tmp_path / "logits.npy"
-    assert cli.main(["logits", str(fixture_a_orbax), "--tokens", str(d / "inputs.npy"), "--out", str(out)]) == 0
+    extra = [] if mesh is None else ["--mesh", mesh]  # sharded, with 'ep' expert dispatch
+    assert cli.main(["logits", str(fixture_a_orbax), "--tokens", str(d / "inputs.npy"), "--out", str(out),
+                     *extra]) == 0
     logits, ref = np.load(out), np.load(d / "logits.npy")
     assert logits.dtype == np.float32 and logits.shape == ref.shape
     for b in range(ref.shape[0]):

@@ -126,10 +126,12 @@ def test_prefix_reuse_equals_fresh_prefill():
     pc.prefill(cfg, params, ids[:LENS[1]], max_len=MAX_LEN)         # saves the shared prefix
     assert pc.lookup(ids)[0] == LENS[1]
     logits, cache = pc.prefill(cfg, params, ids, max_len=MAX_LEN)   # restores it, prefills 7 tokens
-    close(logits[0], got[0, 0], 1e-5)
-    # the restored cache continues exactly like the fresh one (KDA state and MLA KV agree)
+    # 1e-4 (the chunk-vs-recurrent ceiling), not bitwise: the suffix is chunked from the
+    # restored state, the fresh batched prefill chunks the whole padded row
+    close(logits[0], got[0, 0])
+    # the restored cache continues like the fresh one (KDA state and MLA KV agree)
     step, _ = G.decode(cfg, params, cache, tokens[0, LENS[0]:LENS[0] + 1])
-    close(step[0], got[0, 1], 1e-5)
+    close(step[0], got[0, 1])
     # an exact match needs no model call; the snapshot survived the donated decode
     again, _ = pc.prefill(cfg, params, ids, max_len=MAX_LEN)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(logits))

@@ -7,7 +7,10 @@ def register(sub):
     p.add_argument("dir", help="HF safetensors directory or `k3jax convert` output")
     p.add_argument("--tokens", required=True, help=".npy of integer token ids [batch, length] (or [length])")
     p.add_argument("--out", required=True, help="where to write the float32 logits .npy [batch, length, vocab]")
-    p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk"])
+    p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk", "assoc", "pallas"])
+    p.add_argument("--mesh", default=None,
+                   help="mesh preset (configs/meshes/*.yaml) or YAML path: params and tokens are sharded "
+                        "over it, with 'ep' expert dispatch where its expert axis is > 1")
     p.set_defaults(fn=run)
 
 
@@ -25,7 +28,22 @@ def run(args) -> int:
     # fp32 params and activations: this command is the parity reference path
     k3, params = load_model_dir(args.dir, {"param_dtype": "float32", "dtype": "float32",
                                            "kda_impl": args.kda_impl})
-    logits = np.asarray(forward(k3.text, params, tokens.astype(np.int32)), np.float32)
+    cfg, tokens = k3.text, tokens.astype(np.int32)
+    if args.mesh is None:
+        logits = np.asarray(forward(cfg, params, tokens), np.float32)
+    else:
+        import jax
+
+        from k3jax import sharding
+        mesh, rules = sharding.load_mesh(args.mesh)
+        if dict(mesh.shape).get("expert", 1) > 1:
+            cfg = cfg.with_runtime(moe_dispatch="ep")
+        params = sharding.shard_params(params, sharding.param_shardings(cfg, mesh, rules))
+        with sharding.use_mesh(mesh, rules):
+            # a batch smaller than the batch axes stays replicated along the axes it cannot fill
+            spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
+            tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
+            logits = np.asarray(forward(cfg, params, tokens), np.float32)
     np.save(args.out, logits)
     print(f"wrote {args.out}: logits {tuple(logits.shape)} float32")
     return 0

@@ -1,0 +1,65 @@
+"""`k3jax plan CONFIG --mesh MESH`: per-device memory on a slice, and whether it fits."""
+from __future__ import annotations
+
+import functools
+import json
+
+
+def register(sub):
+    p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
+    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset or config.json")
+    p.add_argument("--mesh", required=True, help="mesh preset in configs/meshes/ or a YAML path")
+    p.add_argument("--mode", choices=["train", "infer"], default="train")
+    p.add_argument("--hbm-gib", type=float, default=None, help="per-device memory (default: the preset's)")
+    p.add_argument("--batch", type=int, default=None, help="global sequences (default: one per batch shard)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (the cache length in infer mode)")
+    p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts as bf16 or as the checkpoint's MXFP4")
+    p.add_argument("--devices", type=int, default=None, help="device count, for presets with a -1 axis")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.set_defaults(fn=run)
+
+
+@functools.lru_cache(maxsize=4)
+def _total_params(config: str) -> int:
+    from k3jax.config import load_k3
+    from k3jax.param_count import count_params
+    k3 = load_k3(config)
+    return count_params(k3.text, k3.layout)["total"]
+
+
+def _gib(n) -> str:
+    return f"{n / (1 << 30):10.2f} GiB"
+
+
+def run(args) -> int:
+    from k3jax.config import load_k3
+    from k3jax.plan import PlanOptions, plan
+    from k3jax.sharding import load_preset
+
+    k3 = load_k3(args.config)
+    preset = load_preset(args.mesh)
+    opt = PlanOptions(mode=args.mode, batch=args.batch, seq=args.seq, remat=args.remat,
+                      optimizer=args.optimizer, param_dtype=args.param_dtype,
+                      expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib)
+    out = plan(k3.text, preset, opt, _total_params(args.config))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
+    print(f"{args.config} on {preset.name} ({shape}; {out['devices']} devices), {args.mode}: "
+          f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}")
+    print(f"params {out['params']:,d}; MLA cache {out['mla_cache_values_per_token']:,d} values/token; "
+          f"KDA state {out['kda_state_values_per_sequence']:,d} values/sequence")
+    for k, v in out["bytes_per_device"].items():
+        print(f"  {k:<12}{_gib(v)}")
+    for group, d in out["detail"].items():
+        print(f"  {group}: " + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in d.items()) + " GiB")
+    if out["hbm_bytes"] is None:
+        print("fits: unknown (give --hbm-gib)")
+    else:
+        print(f"fits: {'yes' if out['fits'] else 'NO'} (HBM {_gib(out['hbm_bytes']).strip()} per device)")
+    return 0

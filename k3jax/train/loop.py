@@ -1,0 +1,234 @@
+"""The run: config → run dir → params → (resume) → steps with logging and checkpoints → sample.
+
+Run directory `{output_dir}/{run_name}`: `config.yaml` (resolved model + train config),
+`checkpoints/` (Orbax, async, `keep` newest), `metrics.jsonl` (one object per logged step).
+
+Failure handling: SIGTERM (preemption) finishes the current step, saves, and returns 0; a
+non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
+checkpoint is the last good state (return code 3). `kill -9` loses at most the steps since
+the last checkpoint: a rerun resumes from it and, since batches depend only on (seed, step)
+and the step is deterministic, logs the same losses; metrics.jsonl lines past the resumed
+step are dropped first so the file reads as one run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from k3jax.config import CONFIG_DIR, load_k3
+from k3jax.train import config as tconf
+from k3jax.train.data import PackedDataset, read_documents
+
+
+def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
+    """This machine's dense fp32 matmul FLOP/s (the MFU denominator when none is configured)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        f(a).block_until_ready()
+    return 2 * n ** 3 * repeats / (time.perf_counter() - t)
+
+
+def flops_per_token(params, k_over_e: float) -> float:
+    """6·(activated params) per token for forward+backward: every weight except the
+    embedding lookup, routed experts at k/E. Attention-score FLOPs are left out, so MFU here
+    is a slight under-estimate."""
+    total = 0.0
+    for p, x in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(k, "key", k)) for k in p]
+        if keys[0] == "embed_tokens":
+            continue
+        total += x.size * (k_over_e if keys[-1] in ("w1", "w2", "w3") else 1.0)
+    return 6.0 * total
+
+
+class _Progress:
+    """A one-line progress bar on stderr for process 0 when it is a terminal."""
+    def __init__(self, total: int):
+        self.total, self.on = total, jax.process_index() == 0 and sys.stderr.isatty()
+
+    def update(self, step: int, loss: float):
+        if self.on:
+            done = int(30 * step / self.total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} loss {loss:.4f}")
+            sys.stderr.flush()
+
+    def close(self):
+        if self.on:
+            sys.stderr.write("\n")
+
+
+def _initial_params(cfg, tc, key):
+    if tc["init_from"]:
+        from k3jax.checkpoint.load import load_model_dir   # another module's loader; lazy
+        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"])
+        if k3.text.replace(runtime=cfg.runtime) != cfg:
+            raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
+        return params
+    from k3jax.model import init_params
+    return init_params(cfg, key)
+
+
+def _data_path(path: str) -> str:
+    """Relative dataset paths resolve against the working directory, then the repo root
+    (so `k3jax train configs/toy.yaml` finds the shipped corpus from anywhere)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    in_repo = os.path.join(os.path.dirname(CONFIG_DIR), path)
+    return in_repo if os.path.exists(in_repo) else path
+
+
+def _truncate_metrics(path: str, last_step: int):
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
+    """Train from a YAML preset. `mesh`: a preset of configs/meshes (or a YAML path): params,
+    optimizer state and batches are sharded over it and 'ep' expert dispatch is used where
+    its expert axis is > 1; without one, everything runs on the default device."""
+    if mesh is None:
+        return _run(config_path, overrides, log, None)
+    from k3jax import sharding
+    m, rules = sharding.load_mesh(mesh)
+    with sharding.use_mesh(m, rules):
+        return _run(config_path, overrides, log, (m, rules))
+
+
+def _run(config_path: str, overrides, log, mesh) -> int:
+    import orbax.checkpoint as ocp
+
+    from k3jax.tokenizer import tokenizer_for
+    from k3jax.train import muon, step as tstep
+
+    k3 = load_k3(config_path)
+    tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
+    main = jax.process_index() == 0       # multi-host: one process logs and writes run files
+    log = log if main else (lambda *_: None)
+    cfg = k3.text.with_runtime(**tc["runtime"])
+    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
+        cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
+    run_dir = os.path.abspath(os.path.join(tc["output_dir"], str(tc["run_name"])))
+    os.makedirs(run_dir, exist_ok=True)
+    if main:
+        with open(os.path.join(run_dir, "config.yaml.tmp"), "w") as f:
+            yaml.safe_dump({**k3.to_hf(), "train": tc}, f, sort_keys=False)
+        os.replace(os.path.join(run_dir, "config.yaml.tmp"), os.path.join(run_dir, "config.yaml"))
+
+    d = tc["data"]
+    tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
+    ds = PackedDataset(read_documents(_data_path(d["path"]), d["text_key"]), tok, d["seq_len"], cfg.pad_token_id)
+    log(f"data: {ds.n_tokens:,d} tokens in {ds.n_rows} packed rows of {d['seq_len']}; "
+        f"{d['batch_size']}x{d['grad_accum']} rows per step")
+
+    t0 = time.perf_counter()
+    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]))
+    place_batch = lambda b: b  # noqa: E731
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from k3jax import sharding
+        params = sharding.shard_params(params, sharding.param_shardings(cfg, *mesh))
+        rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
+        # every process computes the same global batch from (seed, step); each keeps its shards
+        place_batch = lambda b: {k: jax.device_put(v, rows) for k, v in b.items()}  # noqa: E731
+        log(f"mesh {dict(mesh[0].shape)}; moe dispatch {cfg.runtime.moe_dispatch}")
+    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
+    state = tstep.init_state(params, tx)
+    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
+    mgr = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), options=opts)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if mgr.latest_step() is not None:
+        start = mgr.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        state = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
+        if main:
+            _truncate_metrics(metrics_path, start)
+        log(f"resumed from step {start} ({run_dir}/checkpoints)")
+    elif main:
+        _truncate_metrics(metrics_path, 0)
+    start = int(state.step)
+    if start >= tc["steps"]:
+        log(f"{run_dir} already holds step {start} >= steps={tc['steps']}: nothing to do "
+            f"(pass a new run_name= or a larger steps=)")
+    log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {run_dir}")
+
+    stop = {"sigterm": False}
+    prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
+    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1))
+    peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
+    bar = _Progress(tc["steps"])
+    rc, last_loss, t_log, steps_since = 0, None, time.perf_counter(), 0
+    first_loss = None
+    try:
+        with open(metrics_path if main else os.devnull, "a") as mf:
+            for s in range(start, tc["steps"]):
+                batch = place_batch(ds.batch(tc["seed"], s, d["batch_size"], d["grad_accum"]))
+                state, m = train_step(state, batch)
+                loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+                steps_since += 1
+                step = s + 1
+                if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                    log(f"step {step}: non-finite loss {loss} / grad norm {gnorm}; stopping. "
+                        f"Last good checkpoint: step {mgr.latest_step()}")
+                    mf.write(json.dumps({"step": step, "loss": None, "nonfinite": True}) + "\n")
+                    rc = 3
+                    break
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                bar.update(step, loss)
+                if step % tc["log_every"] == 0 or step == tc["steps"] or step == start + 1:
+                    dt = time.perf_counter() - t_log
+                    tps = tokens_per_step * steps_since / dt
+                    rec = {"step": step, "loss": loss, "grad_norm": gnorm, "tokens_per_s": tps,
+                           "tflops_per_device": tps * fpt / jax.device_count() / 1e12,
+                           "mfu": tps * fpt / jax.device_count() / peak}
+                    if "load_max" in m:
+                        rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])
+                        rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
+                    mf.write(json.dumps(rec) + "\n")
+                    mf.flush()
+                    bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
+                           if "load_max" in rec else "")
+                    bar.close() if bar.on else None
+                    note = " (includes compile)" if step == start + 1 else ""
+                    log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
+                        f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
+                    t_log, steps_since = time.perf_counter(), 0
+                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or stop["sigterm"]:
+                    mgr.save(step, args=ocp.args.StandardSave(state))
+                if stop["sigterm"]:
+                    log(f"SIGTERM: saved step {step}; exiting cleanly")
+                    break
+    finally:
+        mgr.wait_until_finished()
+        mgr.close()
+        signal.signal(signal.SIGTERM, prev)
+        bar.close()
+    if rc == 0 and not stop["sigterm"] and last_loss is not None:
+        log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
+            f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
+        if tc["sample_tokens"]:
+            from k3jax.train.sample import generate
+            text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
+            log(f"sample: {text!r}")
+    return rc

@@ -1,0 +1,212 @@
+"""Per-Head Muon for K3, assembled from optax building blocks.
+
+Every param gets a *group* from its path and the layer kind (`param_groups`):
+
+  muon_head    KDA q/k/v_proj, MLA q_b_proj (or q_proj): orthogonalised per attention head
+  muon_kv_b    MLA kv_b_proj: per head, k_nope and v blocks separately (or the whole head block)
+  muon_expert  stacked routed experts w1/w2/w3: per expert
+  muon         every other matrix (o_proj, g_proj, LoRA down-projections, router gate, dense MLPs)
+  adamw        embeddings, lm_head, conv weights (decoupled weight decay)
+  adamw_nodecay norms, AttnRes vectors, A_log, dt_bias (no decay: they are scales, not features)
+  router_bias  e_score_correction_bias: never touched by the optimizer; Quantile Balancing owns it
+  frozen       anything matching a `freeze` pattern (a glob on the param path, e.g. '*/w[123]',
+               or 're:' + a regex): zero update, no optimizer state
+
+Muon runs in a *block view*: each matrix is reshaped to [..batch.., fan_in, fan_out] where the
+batch axes are the scan `layers` axis, the expert axis and the head axis. optax's
+`scale_by_muon` vmaps Newton–Schulz over those batch axes, so the per-head orthogonalisation
+is one batched computation, never a Python loop over heads. kv_b's split view is a dict of two
+blocks ({'k': [.., H, r, dn], 'v': [.., H, r, dv]}) because the two widths can differ.
+
+Two readings of K3's rule exist in public trainers; both are switches:
+  kv_b_mode    'split' (default): k_nope and v orthogonalised separately; 'whole': one
+               [r, dn+dv] block per head.
+  muon_scaling 'block' (default): Moonlight's 0.2·√max(fan_in, fan_out) of the orthogonalised
+               block (optax `scale_by_shape`); 'full': of the whole 2-D matrix the block came from.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib._muon import scale_by_shape
+
+from k3jax.config import ModelConfig
+from k3jax.model import layer_plan
+
+MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
+GROUPS = MUON_GROUPS + ("adamw", "adamw_nodecay", "router_bias", "frozen")
+# Every view puts the matrix in the last two axes; all leading axes are batch axes.
+_BLOCK_DIMS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _layer_kind(cfg: ModelConfig, parts: list[str]) -> str | None:
+    """'kda' / 'mla' for a param inside a decoder layer, from `layers_{i}` or `groups/sub_{j}`."""
+    if parts[0].startswith("layers_"):
+        return cfg.layer_kinds[int(parts[0][len("layers_"):])]
+    if parts[0] == "groups" and len(parts) > 1 and parts[1].startswith("sub_"):
+        return layer_plan(cfg).group[int(parts[1][len("sub_"):])][0]
+    return None
+
+
+def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=()) -> str:
+    """The optimizer group of one param (see the module docstring)."""
+    parts = path.split("/")
+    name = parts[-2] if parts[-1] in ("kernel", "weight", "embedding") else parts[-1]
+    if parts[-1] == "e_score_correction_bias":
+        return "router_bias"
+    if any(re.search(pat[3:], path) if pat.startswith("re:") else fnmatch.fnmatchcase(path, pat)
+           for pat in freeze):
+        return "frozen"
+    if name in ("embed_tokens", "lm_head"):
+        return "adamw"
+    if name.endswith("_conv1d"):
+        return "adamw"
+    stacked = 1 if parts[0] == "groups" else 0
+    if len(shape) - stacked < 2 or name in ("A_log", "dt_bias") or "norm" in name or name.endswith("_res"):
+        return "adamw_nodecay"
+    if name in ("w1", "w2", "w3") and "block_sparse_moe" in parts:
+        return "muon_expert"
+    kind = _layer_kind(cfg, parts)
+    if kind == "kda" and name in ("q_proj", "k_proj", "v_proj"):
+        return "muon_head"
+    if kind == "mla" and name in ("q_b_proj", "q_proj"):
+        return "muon_head"
+    if kind == "mla" and name == "kv_b_proj":
+        return "muon_kv_b"
+    return "muon"
+
+
+def param_groups(cfg: ModelConfig, params, freeze=()):
+    """A tree like `params` (arrays or ShapeDtypeStructs, boxed or not) of group names."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: classify(cfg, path_str(p), tuple(x.shape), freeze), params)
+
+
+# ---------------------------------------------------------------------------------------
+# Block views
+# ---------------------------------------------------------------------------------------
+def _head_dim(cfg: ModelConfig, path: str) -> tuple[int, int]:
+    parts = path.split("/")
+    if _layer_kind(cfg, parts) == "kda":
+        return cfg.kda_num_heads, cfg.kda_head_dim
+    return cfg.num_attention_heads, cfg.q_head_dim
+
+
+def _to_view(cfg, group, kv_b_mode, path, x):
+    if group == "muon_head":
+        H, d = _head_dim(cfg, path)
+        return jnp.moveaxis(x.reshape(*x.shape[:-1], H, d), -2, -3)          # [.., H, in, d]
+    if group == "muon_kv_b":
+        H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        blocks = jnp.moveaxis(x.reshape(*x.shape[:-1], H, dn + cfg.v_head_dim), -2, -3)
+        return blocks if kv_b_mode == "whole" else {"k": blocks[..., :dn], "v": blocks[..., dn:]}
+    return x                                                                   # [.., in, out]
+
+
+def _from_view(group, kv_b_mode, shape, v):
+    if group == "muon_kv_b" and kv_b_mode == "split":
+        v = jnp.concatenate([v["k"], v["v"]], axis=-1)
+    if group in ("muon_head", "muon_kv_b"):
+        return jnp.moveaxis(v, -3, -2).reshape(shape)
+    return v
+
+
+def per_block_muon(cfg: ModelConfig, groups, *, beta=0.95, ns_steps=5, rms=0.2, kv_b_mode="split",
+                   scaling="block", nesterov=True, mu_dtype=jnp.float32) -> optax.GradientTransformation:
+    """optax `scale_by_muon` (+ `scale_by_shape` for block scaling) run on block views.
+
+    `groups`: the full group tree (from `param_groups`); the transform only ever sees the
+    muon leaves (others are optax MaskedNodes under `optax.partition`), found by path.
+    """
+    if kv_b_mode not in ("split", "whole"):
+        raise ValueError(f"kv_b_mode must be 'split' or 'whole', got {kv_b_mode!r}")
+    if scaling not in ("block", "full"):
+        raise ValueError(f"muon_scaling must be 'block' or 'full', got {scaling!r}")
+    group_of = {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
+    dims = lambda tree: jax.tree.map(lambda _: _BLOCK_DIMS, tree)
+    inner = scale_by_muon(ns_steps=ns_steps, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
+                          weight_dimension_numbers=dims)
+    if scaling == "block":
+        inner = optax.chain(inner, scale_by_shape(dims, consistent_rms=rms))
+
+    def views(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: _to_view(cfg, group_of[path_str(p)], kv_b_mode, path_str(p), x), tree)
+
+    def init(params):
+        return inner.init(views(params))
+
+    def update(updates, state, params=None):
+        del params  # Muon's direction does not depend on the params; decay comes later
+        out, state = inner.update(views(updates), state)
+        treedef = jax.tree.structure(updates)
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)]
+        shapes = [x.shape for x in jax.tree.leaves(updates)]
+        blocks = treedef.flatten_up_to(out)
+        leaves = []
+        for path, shape, v in zip(paths, shapes, blocks):
+            u = _from_view(group_of[path], kv_b_mode, shape, v)
+            if scaling == "full":
+                u = u * (rms * math.sqrt(max(shape[-2], shape[-1])))
+            leaves.append(u)
+        return jax.tree.unflatten(treedef, leaves), state
+
+    return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------
+# The whole optimizer
+# ---------------------------------------------------------------------------------------
+def schedule(o: dict, steps: int, peak: float):
+    """Linear warmup over `warmup_steps`, then cosine to min_lr_ratio·peak, or constant."""
+    warm = max(int(o["warmup_steps"]), 0)
+    floor = peak * float(o["min_lr_ratio"])
+    decay = max(steps - warm, 1)
+
+    def lr(count):
+        count = jnp.asarray(count, jnp.float32)
+        ramp = jnp.minimum((count + 1.0) / warm, 1.0) if warm else 1.0
+        if o["schedule"] == "constant":
+            return peak * ramp
+        frac = jnp.clip((count - warm) / decay, 0.0, 1.0)
+        return ramp * (floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
+    return lr
+
+
+def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int):
+    """(optax transform, group tree). `o` is the train config's `optimizer` section.
+
+    Gradients reach the transform in fp32 (the step casts them), so all optimizer state is
+    fp32 even with bf16 params. Clipping is by the global norm of the trainable grads.
+    """
+    groups = param_groups(cfg, params, tuple(o.get("freeze") or ()))
+    lr = schedule(o, steps, float(o["lr"]))
+    adam_lr = schedule(o, steps, float(o["adam_lr"] if o.get("adam_lr") is not None else o["lr"]))
+    wd = float(o["weight_decay"])
+    muon = optax.chain(
+        per_block_muon(cfg, groups, beta=float(o["muon_beta"]), ns_steps=int(o["ns_steps"]),
+                       rms=float(o["muon_rms"]), kv_b_mode=o["kv_b_mode"], scaling=o["muon_scaling"]),
+        optax.add_decayed_weights(wd),       # decoupled: decay is scaled by lr, not by the Muon step
+        optax.scale_by_learning_rate(lr))
+    adam = lambda decay: optax.adamw(adam_lr, b1=float(o["b1"]), b2=float(o["b2"]), eps=float(o["eps"]),
+                                     weight_decay=decay, mu_dtype=jnp.float32)
+    label = lambda g: "muon" if g in MUON_GROUPS else g
+    transforms = {"muon": muon, "adamw": adam(wd), "adamw_nodecay": adam(0.0),
+                  # set_to_zero keeps no state: frozen params cost no optimizer memory
+                  "router_bias": optax.set_to_zero(), "frozen": optax.set_to_zero()}
+    labels = jax.tree.map(label, groups)
+    tx = optax.partition(transforms, labels)
+    clip = float(o.get("grad_clip") or 0.0)
+    if clip > 0:
+        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+    return tx, groups

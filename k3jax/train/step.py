@@ -1,0 +1,126 @@
+"""The pure train step: `train_step(state, batch) -> (state, metrics)`, jitted, state donated.
+
+A step runs `grad_accum` microbatches under `lax.scan` (one compiled body, activations of
+one microbatch alive at a time), sums token-weighted losses and gradients, divides by the
+global count of loss tokens (so accumulation is exactly a bigger batch), casts gradients to
+fp32 (optimizer state is fp32 even with bf16 params), zeroes frozen and router-bias
+gradients (XLA then drops their computation), applies the optimizer, and finally replaces
+every router bias with the Quantile Balancing solution from this step's router scores.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from k3jax.config import ModelConfig
+from k3jax.model import K3Model
+from k3jax.train import balancing
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def cross_entropy(logits, targets, mask):
+    """(Σ masked token CE, Σ mask) in fp32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.sum((lse - picked) * mask), jnp.sum(mask)
+
+
+def balance_method(cfg: ModelConfig, tc: dict) -> str | None:
+    b = tc["balance"]
+    if not b["enabled"] or not cfg.num_experts:
+        return None
+    if b["method"] != "auto":
+        return b["method"]
+    d = tc["data"]
+    tokens = d["batch_size"] * d["grad_accum"] * d["seq_len"]
+    return "exact" if tokens * cfg.num_experts <= b["exact_max_elements"] else "hist"
+
+
+def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation, groups):
+    """The jitted step for a model config, resolved train config, optimizer and group tree."""
+    model = K3Model(cfg)
+    method = balance_method(cfg, tc)
+    k = cfg.num_experts_per_token
+    bins, sweeps = int(tc["balance"]["bins"]), int(tc["balance"]["sweeps"])
+    # Static mask: frozen params and router biases get exact zeros, not computed gradients.
+    no_grad = jax.tree.map(lambda g: g in ("frozen", "router_bias"), groups)
+
+    def micro(params, mb):
+        def loss_fn(p):
+            logits, inter = model.apply({"params": p}, mb["tokens"], mb["segment_ids"],
+                                        mutable=["intermediates"])
+            loss_sum, count = cross_entropy(logits, mb["targets"], mb["loss_mask"])
+            return loss_sum, (count, inter.get("intermediates", {}))
+        (loss_sum, (count, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = jax.tree.map(lambda g, z: jnp.zeros(g.shape, jnp.float32) if z else g.astype(jnp.float32),
+                             grads, no_grad)
+        valid = (mb["segment_ids"] > 0).reshape(-1)
+        stats = (balancing.step_stats(params, jax.lax.stop_gradient(inter), k, valid, method or "exact", bins)
+                 if method else {})
+        return loss_sum, count, grads, stats, valid
+
+    def train_step(state: TrainState, batch):
+        params = state.params
+        A = batch["tokens"].shape[0]
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+        def body(carry, mb):
+            loss_sum, count, grads, hist = carry
+            l, c, g, stats, valid = micro(params, mb)
+            grads = jax.tree.map(jnp.add, grads, g)
+            if method == "hist":   # histograms and loads add up across microbatches
+                hist = jax.tree.map(jnp.add, hist, stats)
+                out = None
+            else:                  # exact: keep this microbatch's scores for the global solve
+                hist = jax.tree.map(jnp.add, hist, {p: {"load": s["load"]} for p, s in stats.items()})
+                out = ({p: s["stat"] for p, s in stats.items()}, valid)
+            return (loss_sum + l, count + c, grads, hist), out
+
+        stats0 = jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch))[3])
+        if method == "exact":
+            stats0 = {p: {"load": s["load"]} for p, s in stats0.items()}
+        hist0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0)
+        (loss_sum, count, grads, agg), per_mb = jax.lax.scan(
+            body, (jnp.zeros(()), jnp.zeros(()), zeros, hist0), batch)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss = loss_sum / denom
+
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        if method:
+            n_valid = jnp.sum(batch["segment_ids"] > 0)
+            if method == "exact":
+                scores, valid = per_mb
+                # [A, .., m, n] → [.., A·m, n]: one solve over the whole global batch
+                merged = {p: {"stat": jnp.moveaxis(s, 0, -3).reshape(*s.shape[1:-2], -1, s.shape[-1])}
+                          for p, s in scores.items()}
+                new_params = balancing.new_biases(new_params, merged, k, valid.reshape(-1), "exact", sweeps)
+            else:
+                new_params = balancing.new_biases(new_params, agg, k, None, "hist")
+            loads = balancing.load_summary(agg, k, n_valid)
+            metrics["load"] = loads
+            flat = jnp.concatenate([v.reshape(-1, 2) for v in loads.values()])
+            metrics["load_max"], metrics["load_min"] = jnp.max(flat[:, 0]), jnp.min(flat[:, 1])
+        return TrainState(step=state.step + 1, params=new_params, opt_state=opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=(0,))
+
+
+def init_state(params, tx) -> TrainState:
+    # Initialise from fp32 params so every moment (Adam's nu included) is fp32 with bf16
+    # params too; otherwise the state's dtype would change after the first update.
+    opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)))(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)

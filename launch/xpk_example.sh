@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The same `k3jax train` through xpk (GKE): multi-slice, restarts and queueing handled by the
+# cluster. Build an image with the repo installed (`pip install 'jax[tpu]' -e .`), push it,
+# then create the workload. With --num-slices 2 use a mesh preset whose `dcn:` joins the
+# slices (configs/meshes/v5p-1024x2.yaml): load_mesh puts that axis outermost.
+#
+#   CLUSTER=my-cluster IMAGE=gcr.io/PROJECT/k3jax:latest launch/xpk_example.sh
+set -euo pipefail
+CLUSTER=${CLUSTER:?set CLUSTER}
+IMAGE=${IMAGE:?set IMAGE (a container with k3jax installed)}
+BUCKET=${BUCKET:?set BUCKET (gs:// path for checkpoints and runs)}
+python3 -m xpk workload create \
+  --cluster "$CLUSTER" \
+  --workload "k3-ft-$(date +%m%d-%H%M)" \
+  --tpu-type v5p-1024 \
+  --num-slices 2 \
+  --docker-image "$IMAGE" \
+  --command "k3jax train configs/k3.yaml --mesh v5p-1024x2 --distributed on \
+init_from=$BUCKET/k3-orbax output_dir=$BUCKET/runs run_name=k3-ft steps=1000"

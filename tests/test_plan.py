@@ -1,0 +1,63 @@
+"""`k3jax plan`: full K3 from abstract shapes only (nothing of that size is allocated)."""
+import json
+
+import pytest
+
+from k3jax.cli import main
+from k3jax.config import load
+from k3jax.plan import PlanOptions, plan
+from k3jax.sharding import load_preset
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_k3_plan_agrees_with_spec(capsys):
+    out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024")
+    assert out["params"] == 2_779_484_478_208
+    assert out["mla_cache_values_per_token"] == 24 * 576
+    assert out["kda_state_values_per_sequence"] == 69 * 96 * 128 * 128
+    assert isinstance(out["fits"], bool)
+    # 2.78 T bf16 params over 512 chips: the sharding leaves (almost) nothing replicated
+    per_device = out["bytes_per_device"]["params"]
+    assert 2 * out["params"] / 512 <= per_device < 1.02 * 2 * out["params"] / 512
+    # AdamW: fp32 m and v = 4x the bf16 params; gradients as the params
+    assert out["bytes_per_device"]["optimizer"] == pytest.approx(4 * per_device, rel=0.01)
+
+
+def test_fits_follows_hbm_and_muon_saves_state(capsys):
+    small = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--hbm-gib", "16")
+    big = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--hbm-gib", "4096")
+    assert not small["fits"] and big["fits"]
+    muon = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--optimizer", "muon")
+    assert muon["bytes_per_device"]["optimizer"] < 0.55 * big["bytes_per_device"]["optimizer"]
+
+
+def test_remat_policies_and_inference_caches():
+    cfg, preset = load("toy"), load_preset("data2_fsdp2_expert2")
+    saved = {r: plan(cfg, preset, PlanOptions(remat=r, batch=8, seq=64), 1)["detail"]["activations"]["saved"]
+             for r in ("none", "dots", "full")}
+    assert saved["none"] > saved["dots"] > saved["full"] > 0
+    inf = plan(cfg, preset, PlanOptions(mode="infer", batch=8, seq=64), 1)
+    caches = inf["detail"]["caches"]
+    # batch 8 over data 2 x fsdp 2 x expert 2: one sequence per device
+    assert caches["kda_state"] == 9 * 4 * 16 * 16 * 4
+    assert caches["mla_kv"] == 4 * (16 + 8) * 64 * 2
+    assert "grads" not in inf["bytes_per_device"]
+
+
+def test_mxfp4_experts_shrink_inference_params():
+    cfg, preset = load("k3"), load_preset("b300x8")
+    bf16 = plan(cfg, preset, PlanOptions(mode="infer", batch=8, seq=8192), 1)
+    fp4 = plan(cfg, preset, PlanOptions(mode="infer", batch=8, seq=8192, expert_format="mxfp4"), 1)
+    ratio = fp4["bytes_per_device"]["params"] / bf16["bytes_per_device"]["params"]
+    assert 0.25 < ratio < 0.35 and fp4["fits"] and not bf16["fits"]
+
+
+def test_presets_with_free_axis_need_a_device_count(capsys):
+    assert main(["plan", "toy", "--mesh", "fsdp"]) == 2
+    assert "device count" in capsys.readouterr().err
+    out = run_json(capsys, "toy", "--mesh", "fsdp", "--devices", "16", "--hbm-gib", "1")
+    assert out["devices"] == 16 and out["fits"]

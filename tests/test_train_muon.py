@@ -1,0 +1,175 @@
+"""Per-Head Muon: per-head / per-block updates against an independent Newton–Schulz, the
+optimizer-group table on the toy and full K3 trees, frozen params without state."""
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from k3jax.config import load
+from k3jax.model import abstract_params
+from k3jax.train import config as tconf
+from k3jax.train.muon import build_optimizer, param_groups, path_str
+
+NS = (3.4445, -4.775, 2.0315)
+
+
+def newton_schulz(g: np.ndarray, steps: int = 5) -> np.ndarray:
+    """The quintic Newton–Schulz iteration, written out in float64 numpy."""
+    x = np.asarray(g, np.float64)
+    flip = x.shape[0] > x.shape[1]
+    x = x.T if flip else x
+    x = x / (np.linalg.norm(x) + 1e-8)
+    a, b, c = NS
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if flip else x
+
+
+def first_update(cfg, grads, **opt):
+    """The first Muon update at lr 1, no decay, no clipping (momentum's first step is a
+    scalar multiple of the gradient, which Newton–Schulz normalises away)."""
+    o = tconf.resolve({}, {"optimizer": {"lr": 1.0, "warmup_steps": 0, "schedule": "constant",
+                                         "weight_decay": 0.0, "grad_clip": 0.0, **opt}})["optimizer"]
+    params = jax.tree.map(jnp.zeros_like, grads)
+    tx, _ = build_optimizer(cfg, params, o, 10)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return jax.tree.map(lambda u: -np.asarray(u, np.float64), updates)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return load("toy")
+
+
+def test_per_head_matches_independent_newton_schulz(toy):
+    cfg = toy
+    H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=(D, H * K)).astype(np.float32)
+    grads = {"layers_0": {"self_attn": {"q_proj": {"kernel": jnp.asarray(g)}}}}
+    u = first_update(cfg, grads)["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    for h in range(H):
+        block = g[:, h * K:(h + 1) * K]
+        want = 0.2 * math.sqrt(max(D, K)) * newton_schulz(block)
+        np.testing.assert_allclose(u[:, h * K:(h + 1) * K], want, rtol=2e-3, atol=2e-4)
+    whole = 0.2 * math.sqrt(max(D, H * K)) * newton_schulz(g)
+    assert np.linalg.norm(u - whole) > 0.3 * np.linalg.norm(whole)
+    # 'full' scaling: the same directions, scaled by the whole matrix's fan
+    u_full = first_update(cfg, grads, muon_scaling="full")["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_allclose(u_full, u * math.sqrt(max(D, H * K)) / math.sqrt(max(D, K)), rtol=1e-5)
+
+
+def test_kv_b_split_and_whole(toy):
+    cfg = toy
+    H, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    mla = cfg.layer_kinds.index("mla")
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=(r, H * (dn + dv))).astype(np.float32)
+    grads = {f"layers_{mla}": {"self_attn": {"kv_b_proj": {"kernel": jnp.asarray(g)}}}}
+    split = first_update(cfg, grads)[f"layers_{mla}"]["self_attn"]["kv_b_proj"]["kernel"]
+    whole = first_update(cfg, grads, kv_b_mode="whole")[f"layers_{mla}"]["self_attn"]["kv_b_proj"]["kernel"]
+    w = dn + dv
+    for h in range(H):
+        kb, vb = g[:, h * w:h * w + dn], g[:, h * w + dn:(h + 1) * w]
+        np.testing.assert_allclose(split[:, h * w:h * w + dn], 0.2 * math.sqrt(max(r, dn)) * newton_schulz(kb),
+                                   rtol=2e-3, atol=2e-4)
+        np.testing.assert_allclose(split[:, h * w + dn:(h + 1) * w], 0.2 * math.sqrt(max(r, dv)) * newton_schulz(vb),
+                                   rtol=2e-3, atol=2e-4)
+        np.testing.assert_allclose(whole[:, h * w:(h + 1) * w], 0.2 * math.sqrt(max(r, w)) * newton_schulz(g[:, h * w:(h + 1) * w]),
+                                   rtol=2e-3, atol=2e-4)
+
+
+def test_per_expert_and_scanned_batch_axes(toy):
+    cfg = toy
+    rng = np.random.default_rng(2)
+    g = rng.normal(size=(2, cfg.num_experts, 32, 16)).astype(np.float32)   # [layers, E, in, out]
+    grads = {"groups": {"sub_0": {"block_sparse_moe": {"w1": jnp.asarray(g)}}}}
+    u = first_update(cfg, grads)["groups"]["sub_0"]["block_sparse_moe"]["w1"]
+    for layer in range(2):
+        for e in range(cfg.num_experts):
+            np.testing.assert_allclose(u[layer, e], 0.2 * math.sqrt(32) * newton_schulz(g[layer, e]),
+                                       rtol=2e-3, atol=2e-4)
+
+
+# The intended group of every param, written independently of muon.classify (by path regex).
+TABLE = [
+    (r"e_score_correction_bias$", "router_bias"),
+    (r"^embed_tokens/|^lm_head/", "adamw"),
+    (r"_conv1d$", "adamw"),
+    (r"(A_log|dt_bias)$", "adamw_nodecay"),
+    (r"(layernorm|_norm|^norm|routed_expert_norm)/weight$", "adamw_nodecay"),
+    (r"_res/(norm|proj)$", "adamw_nodecay"),
+    (r"block_sparse_moe/w[123]$", "muon_expert"),
+    (r"self_attn/(q_proj|k_proj|v_proj)/kernel$", "muon_head@kda"),
+    (r"self_attn/(q_b_proj|q_proj)/kernel$", "muon_head@mla"),
+    (r"self_attn/kv_b_proj/kernel$", "muon_kv_b"),
+    (r"kernel$|block_sparse_moe/gate$", "muon"),
+]
+
+
+def expected_group(cfg, path: str) -> str:
+    for pat, group in TABLE:
+        if re.search(pat, path):
+            if "@" in group:
+                group, kind = group.split("@")
+                m = re.match(r"layers_(\d+)/", path)
+                sub = re.match(r"groups/sub_(\d+)/", path)
+                from k3jax.model import layer_plan
+                actual = cfg.layer_kinds[int(m.group(1))] if m else layer_plan(cfg).group[int(sub.group(1))][0]
+                if actual != kind:
+                    continue
+            return group
+    raise AssertionError(f"no table entry for {path}")
+
+
+@pytest.mark.parametrize("name", ["toy", "k3"])
+def test_every_param_in_its_group(name):
+    cfg = load(name)
+    shapes = nn.unbox(abstract_params(cfg))
+    groups = param_groups(cfg, shapes)
+    seen = set()
+    for p, g in jax.tree_util.tree_leaves_with_path(groups):
+        path = path_str(p)
+        assert g == expected_group(cfg, path), path
+        seen.add(g)
+    assert seen == {"router_bias", "adamw", "adamw_nodecay", "muon_expert", "muon_head", "muon_kv_b", "muon"}
+
+
+def test_frozen_params_have_no_state_and_no_update(toy):
+    cfg = toy
+    E = cfg.num_experts
+    params = {"layers_1": {"block_sparse_moe": {
+        "w1": jnp.ones((E, 8, 4)), "e_score_correction_bias": jnp.ones((E,)),
+        "gate": jnp.ones((cfg.hidden_size, E))}}}
+    o = tconf.resolve({}, {"optimizer": {"freeze": ["*/w[123]"]}})["optimizer"]
+    tx, groups = build_optimizer(cfg, params, o, 10)
+    assert groups["layers_1"]["block_sparse_moe"]["w1"] == "frozen"
+    state = tx.init(params)
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(state)}
+    assert (E, 8, 4) not in shapes and (E, 4, 8) not in shapes     # no momentum for frozen experts
+    assert (E,) not in shapes                                         # nor for the router bias
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, state, params)
+    assert not np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["w1"]))
+    assert not np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["e_score_correction_bias"]))
+    assert np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["gate"]))
+
+
+def test_bf16_params_keep_fp32_optimizer_state(toy):
+    from k3jax.train.step import init_state
+    cfg = toy
+    params = {"embed_tokens": {"embedding": jnp.ones((16, 8), jnp.bfloat16)},
+              "layers_0": {"self_attn": {"q_proj": {"kernel": jnp.ones((cfg.hidden_size, 64), jnp.bfloat16)},
+                                         "A_log": jnp.ones((4,), jnp.float32)}}}
+    tx, _ = build_optimizer(cfg, params, tconf.resolve({})["optimizer"], 10)
+    state = init_state(params, tx)
+    floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)
+    _, new = tx.update(grads, state.opt_state, params)
+    assert jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(lambda x: x.dtype, state.opt_state)
