@@ -19,7 +19,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.layers.attn_res import AttnRes, attn_res_mix, push_block
+from k3jax.layers.attn_res import AttnRes, push_block
 from k3jax.layers.common import compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
 from k3jax.layers.mla import GatedMLA

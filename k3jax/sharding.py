@@ -182,7 +182,8 @@ def param_shardings(cfg, mesh: Mesh, rules) -> dict:
     from k3jax.model import abstract_params
     boxed = abstract_params(cfg)
     specs = nn.get_partition_spec(boxed)
-    shapes = nn.unbox(boxed)
+    # plain unwrap: nn.unbox would apply sharding constraints to shapes under a context mesh
+    shapes = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     mesh_specs = nn.logical_to_mesh(specs, rules)
     return jax.tree.map(lambda s, x: NamedSharding(mesh, fit_spec(x.shape, s, dict(mesh.shape))), mesh_specs, shapes,
                         is_leaf=lambda x: isinstance(x, P))

@@ -20,3 +20,16 @@ def need(path: Path) -> Path:
 def rel_l2(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def assert_logits_match(logits, ref, rel: float = 1e-4, max_abs: float = 2e-3, margin: float = 1e-2):
+    """DESIGN.md's full-model parity bar, per sequence: relative L2, max |diff|, and the same
+    argmax wherever the reference's top-2 margin is clear."""
+    logits, ref = np.asarray(logits), np.asarray(ref)
+    assert logits.shape == ref.shape, (logits.shape, ref.shape)
+    for b in range(ref.shape[0]):
+        assert rel_l2(logits[b], ref[b]) <= rel, (b, rel_l2(logits[b], ref[b]))
+        assert np.abs(logits[b] - ref[b]).max() <= max_abs, (b, np.abs(logits[b] - ref[b]).max())
+        top2 = np.sort(ref[b], axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > margin
+        np.testing.assert_array_equal(logits[b].argmax(-1)[clear], ref[b].argmax(-1)[clear])

@@ -190,8 +190,13 @@ def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
         n_idx = len(next(iter(filled.get(path, {()}))))
         if len(filled.get(path, ())) != int(np.prod(leaf.shape[:n_idx])):
             raise CheckpointMismatch(f"param {'/'.join(path)} is not fully covered by the checkpoint map")
+    return unflatten(out)
+
+
+def unflatten(flat: dict) -> dict:
+    """{(key, ..., leaf): array} -> the nested dict param tree."""
     tree: dict = {}
-    for path, arr in out.items():
+    for path, arr in flat.items():
         node = tree
         for k in path[:-1]:
             node = node.setdefault(k, {})

@@ -86,7 +86,7 @@ def run(args) -> int:
     if tok is not None and args.out is None:
         shown, new_ids = [""], []
 
-        def stream(step, ids):
+        def print_new_text(step, ids):
             # decode everything so far and print what is new; a trailing U+FFFD is a
             # character still split across tokens, held back until it completes
             if ids[0] >= 0:
@@ -97,6 +97,7 @@ def run(args) -> int:
                 sys.stdout.write(done[len(shown[0]):])
                 sys.stdout.flush()
                 shown[0] = done
+        stream = print_new_text
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     eos = None if args.no_eos_stop else cfg.eos_token_id

@@ -9,7 +9,6 @@ every router bias with the Quantile Balancing solution from this step's router s
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -72,7 +71,6 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
 
     def train_step(state: TrainState, batch):
         params = state.params
-        A = batch["tokens"].shape[0]
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, mb):
