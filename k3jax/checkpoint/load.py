@@ -29,14 +29,14 @@ def load_config(path, runtime: dict | None = None) -> K3Config:
     return k3
 
 
-def load_model_dir(path, runtime: dict | None = None):
+def load_model_dir(path, runtime: dict | None = None, shardings=None):
     """(K3Config, params) from an HF safetensors directory or a `k3jax convert` output.
 
     `runtime`: RuntimeOptions overrides (e.g. {'param_dtype': 'bfloat16'}); every leaf is
     cast to the dtype the model uses for it under those options. Orbax checkpoints restore
-    onto the first device (for other placements call `orbax_io.restore_params` with
-    target shardings); HF directories are read into host memory (fine for small models;
-    convert big ones first).
+    onto the first device, or with `shardings` (a function ModelConfig -> NamedSharding tree)
+    straight onto those shardings, each host reading only its shards; HF directories are
+    read into host memory first (fine for small models; convert big ones first).
     """
     import numpy as np
 
@@ -49,7 +49,7 @@ def load_model_dir(path, runtime: dict | None = None):
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-        return k3, restore_params(path, k3.text)
+        return k3, restore_params(path, k3.text, None if shardings is None else shardings(k3.text))
     if (path / "params" / "_METADATA").exists():
         raise ValueError(f"{path}: has params/ but no manifest: an unfinished conversion?")
     import jax
@@ -60,4 +60,7 @@ def load_model_dir(path, runtime: dict | None = None):
 
     params = load_hf_params(k3.text, path)
     dtypes = nn.unbox(abstract_params(k3.text))
-    return k3, jax.tree.map(lambda a, s: np.asarray(a, s.dtype), params, dtypes)
+    params = jax.tree.map(lambda a, s: np.asarray(a, s.dtype), params, dtypes)
+    if shardings is not None:
+        params = jax.tree.map(jax.device_put, params, shardings(k3.text))
+    return k3, params

@@ -26,19 +26,19 @@ def run(args) -> int:
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{args.tokens}: token ids must be integers, got {tokens.dtype}")
     # fp32 params and activations: this command is the parity reference path
-    k3, params = load_model_dir(args.dir, {"param_dtype": "float32", "dtype": "float32",
-                                           "kda_impl": args.kda_impl})
-    cfg, tokens = k3.text, tokens.astype(np.int32)
+    runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl}
+    tokens = tokens.astype(np.int32)
     if args.mesh is None:
-        logits = np.asarray(forward(cfg, params, tokens), np.float32)
+        k3, params = load_model_dir(args.dir, runtime)
+        logits = np.asarray(forward(k3.text, params, tokens), np.float32)
     else:
         import jax
 
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
-        if dict(mesh.shape).get("expert", 1) > 1:
-            cfg = cfg.with_runtime(moe_dispatch="ep")
-        params = sharding.shard_params(params, sharding.param_shardings(cfg, mesh, rules))
+        # restored straight onto the mesh: no host ever holds the whole tree (Orbax input)
+        k3, params = load_model_dir(args.dir, runtime, lambda c: sharding.param_shardings(c, mesh, rules))
+        cfg = k3.text.with_runtime(moe_dispatch="ep") if dict(mesh.shape).get("expert", 1) > 1 else k3.text
         with sharding.use_mesh(mesh, rules):
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
             spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
