@@ -55,7 +55,7 @@ class _Leaves:
 
 
 class _ShardWriter:
-    """Accumulates tensors and writes `model-XXXXX-of-YYYYY.safetensors` shards."""
+    """Accumulates tensors and writes `model-{i:05d}-of-{n:05d}.safetensors` shards."""
 
     def __init__(self, directory: Path, max_bytes: int):
         self.directory, self.max_bytes = directory, max_bytes
