@@ -128,12 +128,11 @@ def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
         n = len(order)
         grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
         return grid.reshape([full[a] for a in order])
-    if physical:
+    if physical and devices[0].platform != "cpu":
+        # topology-aware order on TPU / GPU; an error there is a real layout problem, so it
+        # propagates rather than silently falling back to a slow device order
         from jax.experimental import mesh_utils
-        try:  # physical-topology-aware order on TPU / GPU; CPU falls back to plain order
-            return mesh_utils.create_device_mesh([full[a] for a in order], devices)
-        except (AssertionError, NotImplementedError, ValueError):
-            pass
+        return mesh_utils.create_device_mesh([full[a] for a in order], devices)
     return np.asarray(devices, dtype=object).reshape([full[a] for a in order])
 
 
