@@ -160,18 +160,26 @@ class K3Model(nn.Module):
     groups stacked on a leading axis), lengths [B] the tokens already cached per row and
     n_new [B] the real tokens of this call per row (the rest is right padding). Returns
     (logits [B, V] at each row's last real token, per-layer updates named likewise).
+
+    `image_features` [N, D] with `feature_rows` [B, T] int32 (k3jax.vision.multimodal):
+    position (b, t) takes feature row `feature_rows[b, t]` instead of its token embedding
+    where that is >= 0. The vision tower runs outside, so its params and the text params
+    stay separate trees and a chunked prefill can hand each piece the rows it covers.
     """
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, cache=None, pos=None):
+    def __call__(self, tokens, segment_ids=None, cache=None, pos=None, image_features=None, feature_rows=None):
         cfg = self.cfg
         validate_inputs(cfg, tokens, segment_ids)
         plan = layer_plan(cfg)
         emb = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
                        embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")),
                        name="embed_tokens")
-        h = constrain(emb(tokens), ("batch", "length", "embed"))
+        h = emb(tokens)
+        if image_features is not None:
+            h = splice_features(h, image_features, feature_rows)
+        h = constrain(h, ("batch", "length", "embed"))
         B, T, D = h.shape
         n_blocks = cfg.max_attn_res_blocks
         res = Residual(h, jnp.zeros((n_blocks, B, T, D), h.dtype), jnp.zeros((), jnp.int32))
@@ -216,6 +224,17 @@ class K3Model(nn.Module):
         if cache is not None:
             return logits[:, 0].astype(jnp.float32), updates
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+def splice_features(h, features, rows):
+    """h [B, T, D] with (b, t) replaced by features[rows[b, t]] wherever rows[b, t] >= 0."""
+    if rows is None or tuple(rows.shape) != tuple(h.shape[:2]):
+        raise InputError(f"feature_rows must be [batch, length] = {tuple(h.shape[:2])} next to image_features, "
+                         f"got {None if rows is None else tuple(rows.shape)}")
+    if features.ndim != 2 or features.shape[1] != h.shape[-1]:
+        raise InputError(f"image_features must be [rows, hidden_size={h.shape[-1]}], got {tuple(features.shape)}")
+    picked = jnp.take(features.astype(h.dtype), jnp.maximum(rows, 0), axis=0)
+    return jnp.where((rows >= 0)[..., None], picked, h)
 
 
 def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):

@@ -7,7 +7,9 @@ The output directory:
     mxfp4_scales/          (MXFP4 sources) Orbax pytree of the original E8M0 scale bytes,
                            [..., expert, out, in/32] at the same paths as the expert stacks,
                            so `export` can re-pack unchanged experts byte for byte
-    extra/                 (if present) vision tower and projector tensors, verbatim
+    vision/                (if the files hold the vision tower) Orbax pytree of the vision
+                           params {'vision_tower', 'mm_projector'} in the tree
+                           `k3jax.layers.vision.KimiVision` uses, blocks stacked on `layers`
     k3jax_checkpoint.json  manifest, written last
 
 Memory: every checkpoint tensor is read through the memory map, transformed and written
@@ -31,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.checkpoint.hf_params import (CheckpointMismatch, check_names, check_stored, mismatch_message,
-                                        to_tree_layout)
+from k3jax.checkpoint.hf_params import (FLOAT_DTYPES, CheckpointMismatch, check_names, check_stored,
+                                        mismatch_message, to_tree_layout)
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.checkpoint.orbax_io import TreeWriter
 from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
@@ -104,7 +106,35 @@ def _plan(k3: K3Config, ckpt: ShardedCheckpoint):
     if uncovered:
         raise CheckpointMismatch(f"params {['/'.join(p) for p in uncovered[:10]]} are not filled by any tensor")
     leaves = {p: (shapes[p], _leaf_dtype(sources[p]), n_lead[p]) for p in shapes}
-    return report, leaves
+    return report, leaves, (_plan_vision(k3, ckpt) if report["vision"] else None)
+
+
+def _plan_vision(k3: K3Config, ckpt: ShardedCheckpoint):
+    """({path: (shape, dtype, n_lead)}, {name: source dtype}) of the vision tree, from headers.
+
+    The source dtypes go into the manifest so `export` writes every tensor back as it came."""
+    import jax
+
+    from k3jax.layers.vision import vision_param_shapes
+    from k3jax.vision.vision_names import stored_shape, vision_tensor_map
+
+    shapes = {tuple(k.key for k in p): tuple(leaf.shape)
+              for p, leaf in jax.tree_util.tree_leaves_with_path(vision_param_shapes(k3.vision))}
+    sources: dict[tuple, set] = {}
+    n_lead: dict[tuple, int] = {}
+    dtypes = {}
+    for e in vision_tensor_map(k3.vision):
+        dt, sh = ckpt.info(e.hf)
+        want = stored_shape(e, shapes[e.path][len(e.index):])
+        if dt not in FLOAT_DTYPES:
+            raise CheckpointMismatch(f"{e.hf} ({ckpt.shard_of(e.hf)}): dtype {dt} is not a float type")
+        if tuple(sh) != want:
+            raise CheckpointMismatch(f"{e.hf} ({ckpt.shard_of(e.hf)}): shape {tuple(sh)} does not match the "
+                                     f"vision config's {want}")
+        sources.setdefault(e.path, set()).add(dt)
+        n_lead[e.path] = len(e.index)
+        dtypes[e.hf] = dt
+    return {p: (shapes[p], _leaf_dtype(sources[p]), n_lead[p]) for p in shapes}, dtypes
 
 
 def _source_bytes(ckpt: ShardedCheckpoint, names) -> int:
@@ -138,7 +168,7 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
         raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
     k3 = _load_config(hf_dir)
     ckpt = ShardedCheckpoint(hf_dir)
-    report, leaves = _plan(k3, ckpt)
+    report, leaves, vision = _plan(k3, ckpt)
     names = set(ckpt.keys())
     mxfp4 = report["mxfp4"]
     total = _source_bytes(ckpt, names)
@@ -159,14 +189,8 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
             for e in unit:
                 bar.update(_write_entry(ckpt, e, names, params, scales, leaves))
             ckpt.close()  # unmap this layer's shards: resident pages would otherwise pile up
-        if report["vision"]:
-            extra = TreeWriter(tmp / "extra", {tuple(n.split(".")): (ckpt.info(n)[1], DTYPES[ckpt.info(n)[0]], 0)
-                                               for n in report["vision"]})
-            for n in report["vision"]:
-                arr = ckpt.get(n)
-                extra.write(tuple(n.split(".")), (), arr)
-                bar.update(arr.nbytes)
-            extra.finalize()
+        if vision is not None:
+            bar.update(_write_vision(ckpt, k3, tmp / "vision", vision[0]))
         ckpt.close()
         params.finalize()
         if scales is not None:
@@ -175,6 +199,7 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
         manifest = {"format": FORMAT, "layout": report["layout"], "dense_mlp_name": report["dense_mlp_name"],
                     "experts": "mxfp4" if mxfp4 else "float", "vision_tensors": len(report["vision"]),
+                    "vision_dtypes": vision[1] if vision is not None else {},
                     "tensors": len(names), "source_bytes": total, "source": str(hf_dir)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         os.rename(tmp, out_dir)
@@ -183,6 +208,19 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _write_vision(ckpt, k3: K3Config, directory: Path, leaves) -> int:
+    """The vision tree, tensor by tensor (a block's weights into its layer slice); source bytes."""
+    from k3jax.vision.vision_names import to_tree, vision_tensor_map
+
+    writer, total = TreeWriter(directory, leaves), 0
+    for e in vision_tensor_map(k3.vision):
+        arr = ckpt.get(e.hf)
+        writer.write(e.path, e.index, np.ascontiguousarray(to_tree(e, arr)).astype(leaves[e.path][1]))
+        total += arr.nbytes
+    writer.finalize()
+    return total
 
 
 def _write_entry(ckpt, e, names, params: TreeWriter, scales: TreeWriter | None, leaves) -> int:

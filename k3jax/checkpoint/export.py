@@ -104,6 +104,17 @@ def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
     return quantize_mxfp4(w)
 
 
+def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str]) -> None:
+    """The vision tree back under its checkpoint names, in the dtype each tensor was
+    converted from (bf16, the released dtype, when the manifest does not say)."""
+    from k3jax.vision.vision_names import to_hf, vision_tensor_map
+
+    if k3.vision is None:
+        raise ValueError("the checkpoint holds vision params but its config.json has no vision_config")
+    for e in vision_tensor_map(k3.vision):
+        out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16")))
+
+
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = False) -> dict:
     """Write HF_DIR; returns the index dict's metadata plus counts."""
@@ -120,6 +131,11 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     k3 = K3Config.from_hf(hf_config)
     cfg, layout = k3.text, manifest["layout"]
 
+    if (ckpt_dir / "extra").exists():
+        # the first conversions kept vision tensors verbatim there; exporting without them
+        # would silently drop the vision tower
+        raise ValueError(f"{ckpt_dir}: vision tensors in extra/ come from an older `k3jax convert`; "
+                         "convert the HF directory again")
     params = _Leaves(ckpt_dir / "params")
     scales = _Leaves(ckpt_dir / "mxfp4_scales") if (ckpt_dir / "mxfp4_scales").exists() else None
     entries = tensor_map(cfg, layout, manifest["dense_mlp_name"])
@@ -146,10 +162,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
                     out.add(f"{e.hf}.weight_packed", packed)
                     out.add(f"{e.hf}.weight_scale", scale)
             bar.update(1)
-        if (ckpt_dir / "extra").exists():
-            extra = _Leaves(ckpt_dir / "extra")
-            for path in sorted(extra.paths):
-                out.add(".".join(path), extra.get(path, ()))
+        if (ckpt_dir / "vision").exists():
+            _add_vision(out, k3, _Leaves(ckpt_dir / "vision"), manifest.get("vision_dtypes") or {})
         bar.close()
         out.finish()
         if experts_bf16:  # the packed-weight quantization block no longer describes the files

@@ -163,14 +163,21 @@ def restore_params(ckpt_dir, cfg, shardings=None, item: str = "params"):
     """Params of `cfg` from a k3jax checkpoint directory (or a bare Orbax item), each leaf
     read straight into its target sharding (default: the first device) and cast to the
     model's param dtype for that leaf; nothing is assembled on the host first."""
-    import orbax.checkpoint as ocp
     from flax import linen as nn
 
     from k3jax.model import abstract_params
 
     ckpt_dir = Path(ckpt_dir)
     item_dir = ckpt_dir / item if (ckpt_dir / item / "_METADATA").exists() else ckpt_dir
-    abstract = nn.unbox(abstract_params(cfg))
+    return restore_tree(item_dir, nn.unbox(abstract_params(cfg)), shardings)
+
+
+def restore_tree(item_dir, abstract, shardings=None):
+    """An Orbax item onto the tree of ShapeDtypeStructs `abstract`: every leaf must be
+    stored at its shape (errors name the leaf); values are cast to the abstract dtypes."""
+    import orbax.checkpoint as ocp
+
+    item_dir = Path(item_dir)
     want = {tuple(k.key for k in p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
     have = set(stored_leaves(item_dir))
     missing = sorted(set(want) - have)

@@ -5,9 +5,16 @@ byte tokenizer for byte-level vocabularies (≤ 512 ids, the toy configs); the r
 163,840-id vocabulary needs the checkpoint's tokenizer file (`--tokenizer
 tiktoken.model`), or token ids made with it (`--prompt-ids`). `--out` writes the
 generated ids as JSON for scripts.
+
+Images (`--image FILE...`): in `--prompt` text the config's `image_placeholder` string
+(K3: `<|kimi_image_placeholder|>`) marks where each image goes, else the images come first,
+right after bos; `--prompt-ids` hold one `<|media_pad|>` per image. The pads are expanded
+into each image's rows, prefill writes the image features there, decode runs as for text.
+`--mesh PRESET` shards the params over a mesh as `k3jax logits --mesh` does.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -28,30 +35,36 @@ def register(sub):
     p.add_argument("--out", help="write {'prompt_ids', 'generated_ids'} as JSON here")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="params and compute dtype (default: the checkpoint's)")
+    p.add_argument("--image", nargs="+", metavar="FILE", help="image files the prompt refers to, in order")
+    p.add_argument("--mesh", default=None,
+                   help="mesh preset (configs/meshes/*.yaml) or YAML path: params are sharded over it, "
+                        "with 'ep' expert dispatch where its expert axis is > 1")
     p.set_defaults(fn=run)
 
 
-def load(model_dir, dtype=None):
-    """(ModelConfig, params) through the shared loader when present, else straight from
-    an HF directory."""
+def load(model_dir, dtype=None, shardings=None, vision=False):
+    """(K3Config, params) of an HF directory or k3jax checkpoint; see `load_model_dir`."""
+    from k3jax.checkpoint.load import load_model_dir
     runtime = {"param_dtype": dtype, "dtype": dtype} if dtype else None
-    try:
-        from k3jax.checkpoint.load import load_model_dir
-    except ImportError:
-        load_model_dir = None
-    if load_model_dir is not None:
-        k3, params = load_model_dir(model_dir, runtime)
-        return k3.text, params
-    import os
+    return load_model_dir(model_dir, runtime, shardings, vision=vision)
 
-    from k3jax.checkpoint.hf_params import load_hf_params
-    from k3jax.config import K3Config
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir}: no config.json")
-    cfg = K3Config.from_hf(os.path.join(model_dir, "config.json")).text
-    if runtime:
-        cfg = cfg.with_runtime(**runtime)
-    return cfg, load_hf_params(cfg, model_dir)
+
+def _encode(tok, k3, text: str, n_images: int) -> list[int]:
+    """Prompt ids with one <|media_pad|> per image: at each image placeholder in the text,
+    or after bos when the text has none."""
+    from k3jax.vision.multimodal import media_pad_id
+    if not n_images:
+        return tok.encode(text)
+    pad = media_pad_id(k3)
+    marker = k3.top.get("image_placeholder") or "<|kimi_image_placeholder|>"
+    pieces = text.split(marker)
+    if len(pieces) == 1:
+        ids = tok.encode(text)
+        return ids[:1] + [pad] * n_images + ids[1:]
+    ids = tok.encode(pieces[0])
+    for piece in pieces[1:]:
+        ids += [pad] + tok.encode(piece, bos=False)
+    return ids
 
 
 def run(args) -> int:
@@ -62,7 +75,19 @@ def run(args) -> int:
     from k3jax.tokenizer import ByteTokenizer
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    cfg, params = load(args.model_dir, args.dtype)
+    mesh = shardings = None
+    if args.mesh is not None:
+        from k3jax import sharding
+        mesh, rules = sharding.load_mesh(args.mesh)
+        shardings = lambda c: sharding.param_shardings(c, mesh, rules)  # noqa: E731
+    k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image))
+    cfg = k3.text
+    if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
+        cfg = cfg.with_runtime(moe_dispatch="ep")
+    images = None
+    if args.image:
+        from k3jax.vision.multimodal import images_from_files
+        images = images_from_files(args.model_dir, k3.vision, args.image)
     tok = None
     if args.prompt is not None:
         if args.tokenizer:
@@ -74,7 +99,7 @@ def run(args) -> int:
                              "--tokenizer tiktoken.model, or token ids made with it as --prompt-ids IDS.npy")
         else:
             tok = ByteTokenizer.for_config(cfg)
-        prompts = np.array([tok.encode(args.prompt)], np.int32)
+        prompts = np.array([_encode(tok, k3, args.prompt, len(args.image or ()))], np.int32)
     else:
         prompts = np.load(args.prompt_ids)
         if prompts.ndim == 1:
@@ -101,7 +126,16 @@ def run(args) -> int:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
     eos = None if args.no_eos_stop else cfg.eos_token_id
-    out = generate(cfg, params, prompts.tolist(), args.max_new_tokens, sampling, eos_id=eos, on_tokens=stream)
+    with contextlib.ExitStack() as scope:
+        if mesh is not None:
+            scope.enter_context(sharding.use_mesh(mesh, rules))
+        if images is None:
+            out = generate(cfg, params, prompts.tolist(), args.max_new_tokens, sampling, eos_id=eos,
+                           on_tokens=stream)
+        else:
+            from k3jax.vision.multimodal import generate_with_images, media_pad_id
+            out = generate_with_images(cfg, k3.vision, params, prompts.tolist(), *images, args.max_new_tokens,
+                                       sampling, pad_id=media_pad_id(k3), eos_id=eos, on_tokens=stream)
     if stream is not None:
         text = tok.decode(new_ids)
         sys.stdout.write((text[len(shown[0]):] if text.startswith(shown[0]) else "") + "\n")

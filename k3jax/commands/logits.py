@@ -1,4 +1,9 @@
-"""`k3jax logits DIR --tokens IDS.npy --out LOGITS.npy`: fp32 logits of one forward pass."""
+"""`k3jax logits DIR --tokens IDS.npy --out LOGITS.npy`: fp32 logits of one forward pass.
+
+With images (`--image FILE...`, or pre-patchified `--pixels P.npy --grids G.npy` in the
+reference layout), the tokens hold one `<|media_pad|>` per image, expanded here into the
+image's feature rows (or already expanded); the logits are those of the expanded tokens.
+"""
 from __future__ import annotations
 
 
@@ -7,6 +12,10 @@ def register(sub):
     p.add_argument("dir", help="HF safetensors directory or `k3jax convert` output")
     p.add_argument("--tokens", required=True, help=".npy of integer token ids [batch, length] (or [length])")
     p.add_argument("--out", required=True, help="where to write the float32 logits .npy [batch, length, vocab]")
+    p.add_argument("--image", nargs="+", metavar="FILE",
+                   help="image files, one per <|media_pad|> in the tokens (row-major over the batch)")
+    p.add_argument("--pixels", help="instead of --image: float .npy [num_patches, 3, P, P], reference layout")
+    p.add_argument("--grids", help="with --pixels: int .npy [num_images, 3] (t, h, w) in patches")
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk", "assoc", "pallas"])
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params and tokens are sharded "
@@ -17,8 +26,9 @@ def register(sub):
 def run(args) -> int:
     import numpy as np
 
-    from k3jax.checkpoint.load import load_model_dir
+    from k3jax.checkpoint.load import load_config, load_model_dir
     from k3jax.model import forward
+    from k3jax.vision import multimodal as mm
 
     tokens = np.load(args.tokens)
     if tokens.ndim == 1:
@@ -28,22 +38,36 @@ def run(args) -> int:
     # fp32 params and activations: this command is the parity reference path
     runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl}
     tokens = tokens.astype(np.int32)
+    declared = load_config(args.dir)
+    images = mm.images_from_args(args, declared.vision, args.dir)
+    pixels = grids = None
+    if images is not None:
+        pixels, grids = images
+        img = mm.prepare_images(declared.vision, pixels, grids)  # bad images fail before the weights load
+        tokens = mm.expand_tokens(tokens, img.rows, mm.media_pad_id(declared))
+
+    def run_forward(cfg, k3, params, tokens):
+        if images is None:
+            return forward(cfg, params, tokens)
+        return mm.forward_with_images(cfg, k3.vision, params, tokens, pixels, grids, pad_id=mm.media_pad_id(k3))
+
     if args.mesh is None:
-        k3, params = load_model_dir(args.dir, runtime)
-        logits = np.asarray(forward(k3.text, params, tokens), np.float32)
+        k3, params = load_model_dir(args.dir, runtime, vision=images is not None)
+        logits = np.asarray(run_forward(k3.text, k3, params, tokens), np.float32)
     else:
         import jax
 
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
         # restored straight onto the mesh: no host ever holds the whole tree (Orbax input)
-        k3, params = load_model_dir(args.dir, runtime, lambda c: sharding.param_shardings(c, mesh, rules))
+        k3, params = load_model_dir(args.dir, runtime, lambda c: sharding.param_shardings(c, mesh, rules),
+                                    vision=images is not None)
         cfg = k3.text.with_runtime(moe_dispatch="ep") if dict(mesh.shape).get("expert", 1) > 1 else k3.text
         with sharding.use_mesh(mesh, rules):
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
             spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
             tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
-            logits = np.asarray(forward(cfg, params, tokens), np.float32)
+            logits = np.asarray(run_forward(cfg, k3, params, tokens), np.float32)
     np.save(args.out, logits)
     print(f"wrote {args.out}: logits {tuple(logits.shape)} float32")
     return 0

@@ -39,23 +39,13 @@ def _atomic_save(path: str, arr) -> None:
             os.remove(tmp)
 
 
-def _load_array(path: str, what: str):
-    import numpy as np
-    arr = np.load(path, allow_pickle=False)
-    if not isinstance(arr, np.ndarray):
-        keys = list(arr.keys())
-        arr.close()
-        raise ValueError(f"{what} {path}: expected one .npy array, got an .npz archive with keys {keys}")
-    return arr
-
-
 def run(args) -> int:
     import jax.numpy as jnp
     import numpy as np
 
     from k3jax.config import ConfigError, VisionConfig
     from k3jax.layers.vision import check_grids, rows_per_image, vision_features
-    from k3jax.vision.preprocess import MediaConfig, preprocess_images
+    from k3jax.vision.multimodal import images_from_files, load_npy
     from k3jax.vision.vision_names import load_vision_params
 
     cfg_path = os.path.join(args.dir, "config.json")
@@ -68,16 +58,11 @@ def run(args) -> int:
     if args.pixels:
         if not args.grids:
             raise ValueError("--pixels needs --grids GRID_THWS.npy")
-        pixels, grids = _load_array(args.pixels, "--pixels"), _load_array(args.grids, "--grids")
+        pixels, grids = load_npy(args.pixels, "--pixels"), load_npy(args.grids, "--grids")
     else:
         if args.grids:
             raise ValueError("--grids goes with --pixels; --image computes the grids itself")
-        mc = MediaConfig.from_dir(args.dir)
-        if mc.patch_size != vcfg.patch_size or (mc.merge_kernel_size,) * 2 != tuple(vcfg.merge_kernel_size):
-            raise ConfigError(f"preprocessor_config.json (patch {mc.patch_size}, merge {mc.merge_kernel_size}) "
-                              f"disagrees with vision_config (patch {vcfg.patch_size}, merge "
-                              f"{tuple(vcfg.merge_kernel_size)})")
-        pixels, grids = preprocess_images(args.image, mc)
+        pixels, grids = images_from_files(args.dir, vcfg, args.image)
         if args.grids_out:
             _atomic_save(args.grids_out, grids)
 

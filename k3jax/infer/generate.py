@@ -26,20 +26,23 @@ from k3jax.infer.sampling import SamplingParams, sample, step_key
 from k3jax.model import InputError, K3Model, validate_inputs
 
 
-def _run(cfg, params, past_layers, lengths, tokens, n_new):
-    return K3Model(cfg).apply({"params": params}, tokens, cache=past_layers, pos=(lengths, n_new))
+def _run(cfg, params, past_layers, lengths, tokens, n_new, features=None, rows=None):
+    return K3Model(cfg).apply({"params": params}, tokens, cache=past_layers, pos=(lengths, n_new),
+                              image_features=features, feature_rows=rows)
 
 
+# `features`/`rows` default to None, an empty pytree: the text-only calls trace and compile
+# exactly as without images.
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _prefill_jit(cfg, params, tokens, n_new, max_len):
+def _prefill_jit(cfg, params, tokens, n_new, max_len, features=None, rows=None):
     cache = init_cache(cfg, tokens.shape[0], max_len)
-    logits, updates = _run(cfg, params, empty_past(cache), cache.lengths, tokens, n_new)
+    logits, updates = _run(cfg, params, empty_past(cache), cache.lengths, tokens, n_new, features, rows)
     return logits, apply_updates(cache, updates, n_new)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _extend_jit(cfg, params, cache, tokens, n_new):
-    logits, updates = _run(cfg, params, cache.layers, cache.lengths, tokens, n_new)
+def _extend_jit(cfg, params, cache, tokens, n_new, features=None, rows=None):
+    logits, updates = _run(cfg, params, cache.layers, cache.lengths, tokens, n_new, features, rows)
     return logits, apply_updates(cache, updates, n_new)
 
 
@@ -64,23 +67,32 @@ def _check_room(cfg: ModelConfig, cache_len: int | None, end: int):
 
 
 def prefill(cfg: ModelConfig, params, tokens, lengths=None, *, max_len: int | None = None,
-            chunk: int | None = None):
+            chunk: int | None = None, image_features=None, feature_rows=None):
     """Run prompts [B, T] (right-padded; `lengths` [B] real tokens per row, default T)
     from empty caches with room for `max_len` tokens per row (default T).
 
     `chunk` splits long prompts into pieces of that many tokens (bounded attention
-    memory; the first piece is a fresh prefill, the rest extend it). Returns
-    (logits [B, V] fp32 at each row's last real token, cache).
+    memory; the first piece is a fresh prefill, the rest extend it). Images: projector
+    rows `image_features` [N, D] and `feature_rows` [B, T] (the row each position takes,
+    −1 for text; `k3jax.vision.merge.feature_rows`), sliced per piece alongside the tokens.
+    Returns (logits [B, V] fp32 at each row's last real token, cache).
     """
     tokens, n = _as_batch(tokens, lengths)
     validate_inputs(cfg, tokens)
+    rows = None
+    if image_features is not None:
+        rows = np.asarray(feature_rows, np.int32).reshape(tokens.shape)
+        if rows.max(initial=-1) >= image_features.shape[0]:
+            raise InputError(f"feature_rows point at row {rows.max()} of {image_features.shape[0]} image features")
     max_len = tokens.shape[1] if max_len is None else int(max_len)
     _check_room(cfg, max_len, int(n.max()))
     first = tokens.shape[1] if chunk is None else min(chunk, tokens.shape[1])
+    img = () if rows is None else (image_features, jnp.asarray(rows[:, :first]))
     logits, cache = _prefill_jit(cfg, params, jnp.asarray(tokens[:, :first]),
-                                 jnp.asarray(np.minimum(n, first)), max_len)
+                                 jnp.asarray(np.minimum(n, first)), max_len, *img)
     if first < tokens.shape[1]:
-        logits, cache = _extend_chunks(cfg, params, cache, logits, tokens[:, first:], n - first, chunk)
+        rest = None if rows is None else (image_features, rows[:, first:])
+        logits, cache = _extend_chunks(cfg, params, cache, logits, tokens[:, first:], n - first, chunk, rest)
     return logits, cache
 
 
@@ -96,12 +108,16 @@ def extend(cfg: ModelConfig, params, cache: Cache, tokens, lengths=None, *, chun
     return _extend_chunks(cfg, params, cache, logits, tokens, n, chunk or tokens.shape[1])
 
 
-def _extend_chunks(cfg, params, cache, logits, tokens, n, chunk):
+def _extend_chunks(cfg, params, cache, logits, tokens, n, chunk, images=None):
     # every piece as wide as the first (padding counts as no token): one compile for all
     tokens = np.pad(tokens, [(0, 0), (0, -tokens.shape[1] % chunk)])
+    if images is not None:
+        feats, rows = images
+        rows = np.pad(rows, [(0, 0), (0, tokens.shape[1] - rows.shape[1])], constant_values=-1)
     for s in range(0, tokens.shape[1], chunk):
         n_c = np.clip(n - s, 0, chunk).astype(np.int32)
-        new, cache = _extend_jit(cfg, params, cache, jnp.asarray(tokens[:, s:s + chunk]), jnp.asarray(n_c))
+        img = () if images is None else (feats, jnp.asarray(rows[:, s:s + chunk]))
+        new, cache = _extend_jit(cfg, params, cache, jnp.asarray(tokens[:, s:s + chunk]), jnp.asarray(n_c), *img)
         # a row that ended in an earlier piece keeps that piece's logits
         logits = jnp.where(jnp.asarray(n_c > 0)[:, None], new, logits)
     return logits, cache
@@ -116,13 +132,18 @@ def decode(cfg: ModelConfig, params, cache: Cache, tokens):
 def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), *, eos_id: int | None = None,
              on_tokens: Callable[[int, np.ndarray], None] | None = None,
-             prefix_cache=None, max_len: int | None = None) -> list[list[int]]:
+             prefix_cache=None, max_len: int | None = None, image_features=None,
+             media_pad_id: int | None = None) -> list[list[int]]:
     """Generate up to `max_new_tokens` per prompt (prompts may differ in length).
 
     Rows stop at `eos_id` (kept in the output); `on_tokens(step, ids [B])` sees every
     step's sampled ids as they come (streaming). With a `PrefixCache` (batch of one), the
     longest saved prefix of the prompt is restored and only the rest is prefilled, and
     the prompt's own cache is saved for later requests.
+
+    `image_features` [N, D]: the prompts' `<|media_pad|>` (`media_pad_id`) tokens, already
+    expanded to N in all (`k3jax.vision.multimodal.generate_with_images` does that), take
+    these rows in order during prefill.
     """
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -134,6 +155,12 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     _check_room(cfg, max_len, need)
     if max_len is None:  # buckets of 64: nearby request sizes share one compiled decode
         max_len = min(-(-need // 64) * 64, cfg.max_position_embeddings)
+    if image_features is not None and media_pad_id is None:
+        raise InputError("image_features need the media_pad_id whose tokens they replace")
+    if image_features is not None and prefix_cache is not None:
+        # every image's pads are the same ids: a saved prefix could hold another image
+        raise InputError("prefix reuse keys caches by token ids and cannot tell images apart; "
+                         "generate with images without a prefix cache")
     if prefix_cache is not None:
         if len(prompts) != 1:
             raise InputError("prefix reuse runs one prompt at a time")
@@ -143,7 +170,14 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
         tokens = np.full((len(prompts), int(n.max())), pad, np.int32)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
-        logits, cache = prefill(cfg, params, tokens, n, max_len=max_len)
+        img = {}
+        if image_features is not None:
+            from k3jax.vision.merge import feature_rows
+            from k3jax.vision.multimodal import check_media_rows
+            valid = np.arange(tokens.shape[1])[None] < n[:, None]
+            check_media_rows(tokens, media_pad_id, image_features.shape[0], valid)
+            img = {"image_features": image_features, "feature_rows": feature_rows(tokens, media_pad_id, valid)}
+        logits, cache = prefill(cfg, params, tokens, n, max_len=max_len, **img)
 
     out = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)

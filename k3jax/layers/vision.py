@@ -25,6 +25,7 @@ from flax import linen as nn
 from k3jax.config import VisionConfig
 from k3jax.layers.common import HIGHEST, logical, matrix_init
 from k3jax.layers.norms import RMSNorm
+from k3jax.model import InputError
 
 Grid = tuple[tuple[int, int, int], ...]
 
@@ -34,8 +35,9 @@ ROPE_MAX_SIDE = 512
 ROPE_THETA = 10000.0
 
 
-class VisionInputError(ValueError):
-    """Pixels or grids the vision tower cannot run; the message says which and why."""
+class VisionInputError(InputError):
+    """Pixels or grids the vision tower cannot run; the message says which and why. An
+    `InputError`, so callers of the multimodal model catch one kind of bad input."""
 
 
 # ----------------------------------------------------------------------------- input checks

@@ -6,6 +6,14 @@ global count of loss tokens (so accumulation is exactly a bigger batch), casts g
 fp32 (optimizer state is fp32 even with bf16 params), zeroes frozen and router-bias
 gradients (XLA then drops their computation), applies the optimizer, and finally replaces
 every router bias with the Quantile Balancing solution from this step's router scores.
+
+Images (multimodal fine-tuning, `make_train_step(..., vision=VisionConfig)`): the batch may
+carry `images` = {'pixels': [A, L, 3, P, P], 'grid_thws': [N, 3]}, the same packed images
+for each of the A microbatches' layout (grids are static, so every microbatch has the same
+image sizes), and the params a `vision` subtree. Each microbatch's k-th `<|media_pad|>`
+(row-major, already expanded) takes its k-th projector row; the tower and projector get
+gradients like any param unless their group is frozen. Without `vision` the step is the
+text-only one, unchanged.
 """
 from __future__ import annotations
 
@@ -13,12 +21,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
-from k3jax.config import ModelConfig
-from k3jax.model import K3Model
+from k3jax.config import ModelConfig, VisionConfig
+from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
+from k3jax.model import InputError, K3Model
 from k3jax.train import balancing
+from k3jax.vision.multimodal import VISION_KEY, check_media_rows, image_inputs, split_params
 
 
 class TrainState(struct.PyTreeNode):
@@ -46,8 +57,12 @@ def balance_method(cfg: ModelConfig, tc: dict) -> str | None:
     return "exact" if tokens * cfg.num_experts <= b["exact_max_elements"] else "hist"
 
 
-def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation, groups):
-    """The jitted step for a model config, resolved train config, optimizer and group tree."""
+def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation, groups, *,
+                    vision: VisionConfig | None = None, media_pad_id: int | None = None):
+    """The jitted step for a model config, resolved train config, optimizer and group tree.
+
+    With `vision` (and the config's `media_pad_id`), a step that also takes batches with
+    images; see the module docstring."""
     model = K3Model(cfg)
     method = balance_method(cfg, tc)
     k = cfg.num_experts_per_token
@@ -55,10 +70,14 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     # Static mask: frozen params and router biases get exact zeros, not computed gradients.
     no_grad = jax.tree.map(lambda g: g in ("frozen", "router_bias"), groups)
 
-    def micro(params, mb):
+    def micro(params, mb, grids=None):
         def loss_fn(p):
+            img = {}
+            if grids is not None:
+                p, vp = split_params(p)
+                img = image_inputs(cfg, vision, vp, mb["images"]["pixels"], grids, mb["tokens"], media_pad_id)
             logits, inter = model.apply({"params": p}, mb["tokens"], mb["segment_ids"],
-                                        mutable=["intermediates"])
+                                        mutable=["intermediates"], **img)
             loss_sum, count = cross_entropy(logits, mb["targets"], mb["loss_mask"])
             return loss_sum, (count, inter.get("intermediates", {}))
         (loss_sum, (count, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -69,13 +88,13 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                  if method else {})
         return loss_sum, count, grads, stats, valid
 
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, grids=None):
         params = state.params
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, mb):
             loss_sum, count, grads, hist = carry
-            l, c, g, stats, valid = micro(params, mb)
+            l, c, g, stats, valid = micro(params, mb, grids)
             grads = jax.tree.map(jnp.add, grads, g)
             if method == "hist":   # histograms and loads add up across microbatches
                 hist = jax.tree.map(jnp.add, hist, stats)
@@ -85,7 +104,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                 out = ({p: s["stat"] for p, s in stats.items()}, valid)
             return (loss_sum + l, count + c, grads, hist), out
 
-        stats0 = jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch))[3])
+        stats0 = jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch), grids)[3])
         if method == "exact":
             stats0 = {p: {"load": s["load"]} for p, s in stats0.items()}
         hist0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0)
@@ -114,7 +133,36 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
             metrics["load_max"], metrics["load_min"] = jnp.max(flat[:, 0]), jnp.min(flat[:, 1])
         return TrainState(step=state.step + 1, params=new_params, opt_state=opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=(0,))
+    if vision is None:
+        return jax.jit(train_step, donate_argnums=(0,))
+    if media_pad_id is None:
+        raise ValueError("a train step with vision needs the config's media_pad_id")
+    jitted = jax.jit(train_step, donate_argnums=(0,), static_argnames="grids")
+
+    def step(state: TrainState, batch):
+        if "images" not in batch:
+            return jitted(state, batch)
+        images = dict(batch["images"])
+        grids = check_grids(vision, np.asarray(images.pop("grid_thws")))
+        pixels = images["pixels"]
+        if getattr(pixels, "ndim", 0) != 5:
+            raise InputError(f"batch images.pixels must be [grad_accum, num_patches, 3, P, P], got shape "
+                             f"{getattr(pixels, 'shape', None)}")
+        for a in range(pixels.shape[0]):
+            check_pixels(vision, pixels[a], grids)
+        if VISION_KEY not in state.params:
+            raise InputError("the batch has images but the params hold no vision tower")
+        tokens = batch["tokens"]
+        if getattr(tokens, "is_fully_addressable", True):  # host check: one sync, before any compile
+            n_rows = sum(rows_per_image(vision, grids))
+            for a, t in enumerate(np.asarray(tokens)):
+                try:
+                    check_media_rows(t, media_pad_id, n_rows)
+                except InputError as e:
+                    raise InputError(f"microbatch {a}: {e}") from None
+        return jitted(state, {**batch, "images": images}, grids=grids)
+
+    return step
 
 
 def init_state(params, tx) -> TrainState:

@@ -4,7 +4,8 @@ The reference model expands each single `<|media_pad|>` into the image's rows in
 forward, which changes the sequence length there. k3jax expands on the token side instead
 (`k3jax.vision.preprocess.expand_media_pads`), so shapes are fixed before jit and the model
 only overwrites rows: the k-th `<|media_pad|>` position (row-major over the batch) receives
-feature row k, images in order.
+feature row k, images in order. `feature_rows` turns tokens into that position → row map,
+which `K3Model` takes next to the features.
 """
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers.vision import VisionInputError
+
+
+def feature_rows(tokens, media_pad_id: int, valid=None):
+    """int32 [..., T]: k at the k-th `<|media_pad|>` (row-major), −1 at every other position.
+
+    `valid` (bool, like tokens) excludes positions such as right padding from counting.
+    Concrete tokens give a numpy array (computed on the host, sliceable per prefill chunk);
+    traced tokens give the same map in the graph.
+    """
+    xp = jnp if isinstance(tokens, jax.core.Tracer) or isinstance(valid, jax.core.Tracer) else np
+    mask = xp.asarray(tokens) == media_pad_id
+    if valid is not None:
+        mask = mask & xp.asarray(valid, bool)
+    k = xp.cumsum(mask.reshape(-1).astype(xp.int32)).reshape(mask.shape) - 1
+    return xp.where(mask, k, -1).astype(xp.int32)
 
 
 def merge_image_features(token_embeddings, tokens, features, media_pad_id: int):
@@ -35,8 +51,6 @@ def merge_image_features(token_embeddings, tokens, features, media_pad_id: int):
                                    f"feature rows; expand the pads with expand_media_pads first")
     if features.shape[0] == 0:
         return emb
-    mask = (jnp.asarray(tokens) == media_pad_id).reshape(-1)
-    row = jnp.clip(jnp.cumsum(mask) - 1, 0, features.shape[0] - 1)
-    flat = emb.reshape(-1, emb.shape[-1])
-    out = jnp.where(mask[:, None], jnp.asarray(features).astype(emb.dtype)[row], flat)
-    return out.reshape(emb.shape)
+    rows = jnp.minimum(jnp.asarray(feature_rows(tokens, media_pad_id)), features.shape[0] - 1)
+    picked = jnp.take(jnp.asarray(features).astype(emb.dtype), jnp.maximum(rows, 0), axis=0)
+    return jnp.where((rows >= 0)[..., None], picked, emb)

@@ -1,0 +1,166 @@
+"""Images in the token stream end to end: logits, generation and the train step on a tiny
+two-layer K3 (KDA + MLA/MoE) with the toy vision tower.
+
+All tests share one tiny checkpoint and one [2, 24] token shape with the same two images
+(grids (1, 4, 4) and (1, 2, 8), 4 feature rows each, so both rows expand alike), so the multimodal forward compiles
+once for the module.
+"""
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+from helpers import rel_l2
+from k3jax import cli
+from k3jax import model as M
+from k3jax.checkpoint.convert import convert
+from k3jax.checkpoint.hf_params import from_tree_layout
+from k3jax.checkpoint.load import load_model_dir
+from k3jax.checkpoint.names import stored_shape, tensor_map
+from k3jax.checkpoint.safetensors_io import write_safetensors
+from k3jax.config import K3Config
+from k3jax.layers.vision import vision_features, vision_param_shapes
+from k3jax.train import config as tconf
+from k3jax.train import muon
+from k3jax.train import step as tstep
+from k3jax.train.variants import variant_dict
+from k3jax.vision import multimodal as MM
+from k3jax.vision.preprocess import preprocess_images
+from k3jax.vision.vision_names import vision_params_to_hf
+
+RUNTIME = {"param_dtype": "float32", "dtype": "float32", "kda_impl": "chunk"}  # what `k3jax logits` runs
+GRIDS = np.array([[1, 4, 4], [1, 2, 8]])
+T = 24
+
+
+def _random_tree(shapes, rng):
+    """Fixture-like scales: norms near 1, fan-in matrices, spread KDA gates."""
+    def leaf(path, s):
+        name = path[-1].key
+        if name in ("weight", "norm"):
+            v = 1 + 0.1 * rng.normal(size=s.shape)
+        elif name in ("embedding", "pos_emb"):
+            v = rng.normal(size=s.shape)
+        elif name == "proj" and len(s.shape) == 1:   # AttnRes queries: away from uniform mixing
+            v = 0.25 * rng.normal(size=s.shape)
+        elif name == "A_log":
+            v = rng.uniform(-0.5, 1.0, s.shape)
+        elif name == "dt_bias":
+            v = rng.normal(-2, 1, s.shape)
+        elif name == "e_score_correction_bias":
+            v = 0.1 * rng.normal(size=s.shape)
+        else:
+            v = rng.normal(size=s.shape) / np.sqrt(s.shape[-2])
+        return np.asarray(v, np.float32)
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
+def _hf_tensors(cfg, params):
+    """Text params under the released K3 names (fp32, experts unquantized)."""
+    out = {}
+    for e in tensor_map(cfg, "k3", "mlp"):
+        leaf = params
+        for k in e.path:
+            leaf = leaf[k]
+        slot = np.asarray(leaf)[e.index]
+        if e.is_expert:
+            out[f"{e.hf}.weight"] = np.ascontiguousarray(slot.T)
+        else:
+            out[e.hf] = from_tree_layout(e, slot, stored_shape(e, slot.shape, cfg, "k3"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vlm")
+    hf = variant_dict(layers=("kda", "mla"))
+    hf.pop("train")
+    k3 = K3Config.from_hf(hf)
+    rng = np.random.default_rng(0)
+    text = _random_tree(nn.unbox(M.abstract_params(k3.text)), rng)
+    vision = _random_tree(vision_param_shapes(k3.vision), rng)
+    src = d / "hf"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", {**_hf_tensors(k3.text, text),
+                                                   **vision_params_to_hf(k3.vision, vision)})
+    (src / "config.json").write_text(json.dumps(hf))
+    k3, params = load_model_dir(src, RUNTIME, vision=True)
+    pad = MM.media_pad_id(k3)
+    # images as files (for the commands) and as the packed pixels they preprocess to
+    from PIL import Image
+    files = []
+    for i, (h, w) in enumerate([(56, 56), (28, 112)]):
+        files.append(d / f"img{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(files[-1])
+    pixels, grids = preprocess_images(files)
+    np.testing.assert_array_equal(grids, GRIDS)
+    # one pad per image before expansion: row 0 holds image 0, row 1 image 1
+    short = rng.integers(0, 256, (2, T - 3), dtype=np.int32)
+    short[:, 0] = k3.text.bos_token_id
+    short[0, 2], short[1, 9] = pad, pad
+    tokens = MM.expand_tokens(short, [4, 4], pad)
+    assert tokens.shape == (2, T)
+    return {"dir": d, "src": src, "k3": k3, "params": params, "pad": pad, "files": files, "pixels": pixels,
+            "short": short, "tokens": tokens}
+
+
+def _forward(t, tokens):
+    k3 = t["k3"]
+    return np.asarray(MM.forward_with_images(k3.text, k3.vision, t["params"], tokens, t["pixels"], GRIDS,
+                                             pad_id=t["pad"]))
+
+
+class _SpliceAtEmbed:
+    """Flax interceptor: the token embedding's output replaced by a given array."""
+    def __init__(self, emb):
+        self.emb = emb
+
+    def __call__(self, next_fun, args, kwargs, context):
+        if isinstance(context.module, nn.Embed) and context.method_name == "__call__":
+            return self.emb.astype(np.float32)
+        return next_fun(*args, **kwargs)
+
+
+def test_logits_with_images_equal_features_spliced_by_hand(tiny):
+    t = tiny
+    k3, params, tokens = t["k3"], t["params"], t["tokens"]
+    got = _forward(t, tokens)
+    # reference: the tower on its own, its rows written over the pads by numpy indexing
+    # (boolean indexing runs row-major, the documented order), the text model on that
+    feats = np.asarray(vision_features(k3.vision, params["vision"], t["pixels"], GRIDS))
+    assert feats.shape == (8, k3.text.hidden_size)
+    emb = np.asarray(params["embed_tokens"]["embedding"])[tokens]
+    emb[tokens == t["pad"]] = feats
+    text, _ = MM.split_params(params)
+    with nn.intercept_methods(_SpliceAtEmbed(emb)):
+        ref = np.asarray(jax.jit(lambda p, x: M.K3Model(k3.text).apply({"params": p}, x))(text, tokens))
+    for b in range(2):
+        assert rel_l2(got[b], ref[b]) <= 1e-5, rel_l2(got[b], ref[b])
+    # the features really differ from the pad embeddings they replace
+    pad_row = np.asarray(params["embed_tokens"]["embedding"])[t["pad"]]
+    assert np.abs(feats - pad_row).min(axis=1).max() > 1e-2
+
+
+def test_bad_image_inputs_are_clear_errors(tiny):
+    t = tiny
+    k3, params, tokens = t["k3"], t["params"], t["tokens"]
+    fewer = tokens.copy()
+    fewer[0, np.flatnonzero(tokens[0] == t["pad"])[0]] = 7
+    with pytest.raises(M.InputError, match=r"7 <\|media_pad\|>.* 8 feature"):
+        MM.forward_with_images(k3.text, k3.vision, params, fewer, t["pixels"], GRIDS, pad_id=t["pad"])
+    extra = t["short"].copy()
+    extra[0, 5] = t["pad"]
+    with pytest.raises(M.InputError, match=r"3 <\|media_pad\|>.* 2 image"):
+        MM.expand_tokens(extra, [4, 4], t["pad"])
+    with pytest.raises(M.InputError, match="no vision tower"):
+        MM.forward_with_images(k3.text, None, params, tokens, t["pixels"], GRIDS, pad_id=t["pad"])
+    text, _ = MM.split_params(params)
+    with pytest.raises(M.InputError, match="no vision tower"):
+        MM.forward_with_images(k3.text, k3.vision, text, tokens, t["pixels"], GRIDS, pad_id=t["pad"])
+    with pytest.raises(M.InputError, match="need sum"):
+        MM.forward_with_images(k3.text, k3.vision, params, tokens, t["pixels"][:-1], GRIDS, pad_id=t["pad"])
+    _, text_only = load_model_dir(t["src"], RUNTIME)
+    assert MM.VISION_KEY not in text_only
