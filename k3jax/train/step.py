@@ -48,7 +48,7 @@ def cross_entropy(logits, targets, mask):
 
 def balance_method(cfg: ModelConfig, tc: dict) -> str | None:
     b = tc["balance"]
-    if not b["enabled"] or not cfg.num_experts:
+    if not b["enabled"] or not cfg.num_experts or "moe" not in cfg.ffn_kinds:  # no router, nothing to balance
         return None
     if b["method"] != "auto":
         return b["method"]
