@@ -9,16 +9,19 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from helpers import FIXTURES, SHARED, assert_logits_match, need
+from helpers import FIXTURES, SHARED, assert_logits_match, need, rel_l2
 from k3jax import cli
 from k3jax.checkpoint import convert as convert_mod
 from k3jax.checkpoint.convert import MANIFEST, convert, dry_run
 from k3jax.checkpoint.export import export
 from k3jax.checkpoint.hf_params import load_hf_params
+from k3jax.checkpoint.load import load_model_dir
 from k3jax.checkpoint.orbax_io import default_shardings, restore_params
 from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile, ShardedCheckpoint, write_safetensors
 from k3jax.config import K3Config
+from k3jax.layers.vision import vision_features
 from k3jax.model import abstract_params
+from k3jax.vision.vision_names import load_vision_params
 
 REFERENCE = SHARED / "reference" / "kimi-k3"
 
@@ -50,7 +53,8 @@ def fixture_a_orbax(tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------
 # Round trip: MXFP4 + bf16 + fp32 text tensors (fixture B) and vision tensors (fixture V),
-# two shards behind an index → Orbax → the released layout, byte for byte per tensor.
+# two shards behind an index → Orbax (the vision tower as its own param tree) → the
+# released layout, byte for byte per tensor.
 # ---------------------------------------------------------------------------------------
 def test_convert_export_round_trip_is_byte_identical(tmp_path):
     b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
@@ -67,6 +71,14 @@ def test_convert_export_round_trip_is_byte_identical(tmp_path):
 
     manifest = convert(src, tmp_path / "orbax")
     assert manifest["experts"] == "mxfp4" and manifest["vision_tensors"] == 18
+    # the vision tower is a param tree next to the text params, usable as loaded
+    k3, params = load_model_dir(tmp_path / "orbax", {"param_dtype": "float32"}, vision=True)
+    want = load_vision_params(k3.vision, src)
+    assert jax.tree.structure(params["vision"]) == jax.tree.structure(want)
+    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(params["vision"]), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), ref, err_msg=jax.tree_util.keystr(path))
+    feats = vision_features(k3.vision, params["vision"], np.load(v / "pixel_values.npy"), np.load(v / "grid_thws.npy"))
+    assert rel_l2(feats, np.load(v / "features.npy")) <= 1e-5
     export(tmp_path / "orbax", tmp_path / "back", max_shard_bytes=300_000)
     a, back = ShardedCheckpoint(src), ShardedCheckpoint(tmp_path / "back")
     assert back.keys() == a.keys() and len(back.shards()) > 1
@@ -178,7 +190,16 @@ def _bad_config(t, cfg):
     return "language_model.model.embed_tokens.weight"
 
 
-@pytest.mark.parametrize("make_bad", [_bad_missing, _bad_extra, _bad_shape, _bad_dtype, _bad_config])
+def _bad_vision_shape(t, cfg):
+    name = "vision_tower.encoder.blocks.1.wo.weight"
+    t.update(_tensors(FIXTURES / "fixture_v" / "model.safetensors"))
+    cfg["vision_config"] = json.loads((FIXTURES / "fixture_v" / "config.json").read_text())["vision_config"]
+    t[name] = np.ascontiguousarray(t[name][:, :-1])
+    return name
+
+
+@pytest.mark.parametrize("make_bad", [_bad_missing, _bad_extra, _bad_shape, _bad_dtype, _bad_config,
+                                      _bad_vision_shape])
 def test_bad_checkpoint_is_refused_naming_the_tensor(tmp_path, make_bad):
     tensors = _tensors(FIXTURES / "fixture_b" / "model.safetensors")
     cfg = json.loads((FIXTURES / "fixture_b" / "config.json").read_text())

@@ -250,7 +250,7 @@ def test_cli_generate_streams_text(capsys):
 def test_cli_generate_text_needs_a_tokenizer_for_the_real_vocabulary(monkeypatch, capsys):
     from k3jax.cli import main
     from k3jax.commands import generate as cmd
-    monkeypatch.setattr(cmd, "load", lambda *a: (C.load("k3"), None))
+    monkeypatch.setattr(cmd, "load", lambda *a, **k: (C.load_k3("k3"), None))
     assert main(["generate", "any_dir", "--prompt", "Hi"]) == 2
     err = capsys.readouterr().err
     assert "tokenizer" in err and "--prompt-ids" in err

@@ -188,13 +188,15 @@ def test_logits_command_with_images_from_hf_and_converted_checkpoints(tiny, tmp_
     np.testing.assert_array_equal(np.load(out), want)
 
 
-def test_generate_command_with_images_matches_the_full_forward(tiny, tmp_path):
+@pytest.mark.parametrize("mesh", [None, "data2_fsdp2_expert2"])
+def test_generate_command_with_images_matches_the_full_forward(tiny, tmp_path, mesh):
     t = tiny
     prompt = t["short"][:, :T - 3 - 2]     # both pads inside: expanded, 22 tokens per row
     ids, out = tmp_path / "prompt.npy", tmp_path / "gen.json"
     np.save(ids, prompt)
+    extra = [] if mesh is None else ["--mesh", mesh]   # params sharded, 'ep' expert dispatch
     assert cli.main(["generate", str(t["src"]), "--prompt-ids", str(ids), "--image", *map(str, t["files"]),
-                     "--max-new-tokens", "3", "--no-eos-stop", "--out", str(out)]) == 0
+                     "--max-new-tokens", "3", "--no-eos-stop", "--out", str(out), *extra]) == 0
     gen = np.array(json.loads(out.read_text())["generated_ids"])
     assert gen.shape == (2, 3)
     # greedy, teacher-forced: each id is the argmax of the uncached forward at its position
