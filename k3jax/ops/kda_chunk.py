@@ -20,11 +20,13 @@ sum, the scores and the triangular inverse are all plain matmuls.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # fp32 matmuls throughout: the state accumulates over the whole sequence and the decays
 # span many orders of magnitude, so bf16 passes (TPU default precision) are not enough.
@@ -200,13 +202,58 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
     return jax.tree.map(lambda x: x.reshape(B, H, n_chunks, *x.shape[1:]), terms)
 
 
-def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
-    """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V]).
+# Chunks per block of the forward schedule; 2 measured fastest on XLA:CPU (benchmarks/kda.py).
+CHUNKS_PER_BLOCK = 2
 
-    Everything state-independent is built in one batched pass (chunk_terms); the scan
-    over chunks keeps only the h-dependent products. (Moving the outputs out of the loop
-    into a second batched pass measured ~15% slower on XLA:CPU: it re-reads h and V'.)
+
+def _blocked_schedule(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block):
+    """The forward schedule: a loop over blocks of `chunks_per_block` chunks. Each step
+    builds its chunks' state-independent terms (one batched pass), walks the state through
+    them, then forms the outputs in one batched pass. Blocking keeps every intermediate of a step in cache:
+    building the terms for the whole sequence at once makes each of the many elementwise
+    passes stream the full [B,H,N,C,K] tensors through memory, which is what made this path
+    slower than the token recurrence on CPU at long T.
     """
+    B, T, H, _ = q.shape
+    n_chunks = max(1, -(-T // chunk_size))
+    S = max(1, min(chunks_per_block, n_chunks))
+    n_blocks = -(-n_chunks // S)
+    L = S * chunk_size
+    pad = n_blocks * L - T
+
+    def padded(x):  # zero-padded in T to whole blocks
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+    xs = tuple(padded(x) for x in (q, k, v, g, beta, reset))
+
+    # A fori_loop slicing the inputs in place: a scan over pre-split xs makes XLA:CPU copy
+    # every input into the loop's buffers first (a full pass over memory each).
+    def step(i, carry):
+        h, o = carry
+        xb = tuple(jax.lax.dynamic_slice_in_dim(x, i * L, L, axis=1) for x in xs)
+        c = chunk_terms(*xb, chunk_size)  # each [B, H, S, ...]
+        outs = []
+        for s in range(S):
+            # W h and Q̃ h in one product: the state is read once per chunk.
+            wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2)
+            wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
+            v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
+            outs.append((v_new, wq_h[:, :, chunk_size:]))
+            h = c.decay[:, :, s, :, None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail[:, :, s], v_new)
+        v_new = jnp.stack([x[0] for x in outs], axis=2)
+        ob = jnp.stack([x[1] for x in outs], axis=2) + _einsum("bhsij,bhsjv->bhsiv", c.p, v_new)
+        ob = jnp.moveaxis(ob.reshape(B, H, L, -1), 1, 2)  # [B, L, H, V]
+        return h, jax.lax.dynamic_update_slice_in_dim(o, ob, i * L, axis=1)
+
+    o = jnp.zeros((B, n_blocks * L, H, v.shape[-1]), jnp.float32)
+    h, o = jax.lax.fori_loop(0, n_blocks, step, (initial_state, o))
+    return o[:, :T], h
+
+
+def _whole_sequence_schedule(q, k, v, g, beta, initial_state, reset, chunk_size):
+    """The gradient schedule: every chunk's terms in one batched pass over the sequence,
+    then a `lax.scan` over chunks for the state-dependent products. Its autodiff backward
+    is all large batched products, measured faster than differentiating the blocked loop."""
     T = q.shape[1]
     terms = chunk_terms(q, k, v, g, beta, reset, chunk_size)
     xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)  # scan over chunks (axis 2)
@@ -221,6 +268,32 @@ def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
     n, b, hh, c, dv = o.shape
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(b, n * c, hh, dv)
     return o[:, :T], h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block=CHUNKS_PER_BLOCK):
+    """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V]).
+
+    One math, two schedules: the forward runs block by block (fast, cache-resident), and
+    under `jax.grad` the whole-sequence schedule runs instead, because its backward is the
+    faster one. Both are held to the recurrent oracle by tests/test_kda_op.py.
+    """
+    return _blocked_schedule(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block)
+
+
+def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block):
+    out, vjp = jax.vjp(
+        lambda *a: _whole_sequence_schedule(*a, reset, chunk_size), q, k, v, g, beta, initial_state
+    )
+    return out, (vjp, reset)
+
+
+def _chunk_kda_bwd(chunk_size, chunks_per_block, res, cotangents):
+    vjp, reset = res
+    return (*vjp(cotangents), np.zeros(reset.shape, jax.dtypes.float0))
+
+
+chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)
 
 
 def _transitions(c: ChunkTerms):
