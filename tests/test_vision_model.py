@@ -1,9 +1,10 @@
 """Images in the token stream end to end: logits, generation and the train step on a tiny
 two-layer K3 (KDA + MLA/MoE) with the toy vision tower.
 
-All tests share one tiny checkpoint and one [2, 24] token shape with the same two images
-(grids (1, 4, 4) and (1, 2, 8), 4 feature rows each, so both rows expand alike), so the multimodal forward compiles
-once for the module.
+The tests share one tiny checkpoint and one [2, 24] token shape with the same two images
+(grids (1, 4, 4) and (1, 2, 8), 4 feature rows each, so both rows expand alike): the
+multimodal forward they are held to compiles once for the module. The train step runs a
+one-layer model (its backward is the costly compile).
 """
 import json
 
@@ -188,21 +189,38 @@ def test_logits_command_with_images_from_hf_and_converted_checkpoints(tiny, tmp_
     np.testing.assert_array_equal(np.load(out), want)
 
 
-@pytest.mark.parametrize("mesh", [None, "data2_fsdp2_expert2"])
-def test_generate_command_with_images_matches_the_full_forward(tiny, tmp_path, mesh):
+def test_generate_command_with_images_on_a_mesh_matches_the_full_forward(tiny, tmp_path):
     t = tiny
     prompt = t["short"][:, :T - 3 - 2]     # both pads inside: expanded, 22 tokens per row
     ids, out = tmp_path / "prompt.npy", tmp_path / "gen.json"
     np.save(ids, prompt)
-    extra = [] if mesh is None else ["--mesh", mesh]   # params sharded, 'ep' expert dispatch
+    # params sharded over 8 devices with 'ep' expert dispatch, the tower replicated; the
+    # unsharded prefill with images is held to the forward in the chunked-prefill test
     assert cli.main(["generate", str(t["src"]), "--prompt-ids", str(ids), "--image", *map(str, t["files"]),
-                     "--max-new-tokens", "3", "--no-eos-stop", "--out", str(out), *extra]) == 0
+                     "--max-new-tokens", "3", "--no-eos-stop", "--out", str(out),
+                     "--mesh", "data2_fsdp2_expert2"]) == 0
     gen = np.array(json.loads(out.read_text())["generated_ids"])
     assert gen.shape == (2, 3)
     # greedy, teacher-forced: each id is the argmax of the uncached forward at its position
     full = np.concatenate([MM.expand_tokens(prompt, [4, 4], t["pad"]), gen[:, :2]], axis=1)
     logits = _forward(t, full.astype(np.int32))
     np.testing.assert_array_equal(logits[:, T - 3:].argmax(-1), gen)
+
+
+def test_chunked_prefill_hands_each_piece_its_image_rows(tiny):
+    from k3jax.infer.generate import prefill
+    from k3jax.vision.merge import feature_rows
+    t = tiny
+    k3, tokens = t["k3"], t["tokens"]
+    text, _ = MM.split_params(t["params"])
+    feats = MM.image_features(k3.text, k3.vision, t["params"], MM.prepare_images(k3.vision, t["pixels"], GRIDS))
+    # pieces of 11: row 1's image rows (positions 9-12) straddle the first two pieces
+    assert np.flatnonzero(tokens[1] == t["pad"]).tolist() == [9, 10, 11, 12]
+    logits, cache = prefill(k3.text, text, tokens, max_len=T, chunk=11, image_features=feats,
+                            feature_rows=feature_rows(tokens, t["pad"]))
+    want = _forward(t, tokens)[:, -1]
+    assert rel_l2(logits, want) <= 1e-5, rel_l2(logits, want)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [T, T])
 
 
 def test_prompt_text_places_images_at_the_placeholder(tiny):

@@ -11,6 +11,10 @@ keeps the original scale bytes (`mxfp4_scales/`); an expert is re-packed with th
 that reproduces its current values exactly (it was not changed since conversion), and
 freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise.
 
+Vision: the `vision/` tree goes back under its `vision_tower.*` / `mm_projector.*` names
+(`k3jax.vision.vision_names`), each tensor in the dtype it was converted from (the
+manifest's `vision_dtypes`), so an unchanged tower round-trips byte for byte.
+
 Streaming: tensors are produced in checkpoint order, one at a time, from slices of the
 stored leaves (only their chunks are read) and flushed into a shard file whenever the
 shard reaches `max_shard_bytes`; the output is assembled in a temporary directory and
