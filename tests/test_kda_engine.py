@@ -108,6 +108,30 @@ def test_pallas_matches_recurrent(T, H, K, C, gate, use_h0, use_seg):
     _check_against_recurrent("pallas", T, H, K, C, gate, use_h0, use_seg, B=1)
 
 
+def test_pallas_gpu_layout_matches_recurrent():
+    """The state loop's GPU layout (one program per head looping over chunks) in interpret
+    mode; the cases above run the TPU layout (a grid streaming one chunk per step)."""
+    from k3jax.ops.kda import _resets
+    from pallas_kernels.kda import pallas_kda
+
+    B, T, H, K, C = 1, 65, 2, 16, 32
+    x = make_inputs(11, B, T, H, K, gate="softplus")
+    h0 = make_state(11, B, H, K, K)
+    seg = make_segments(11, B, T, C)
+    r_o, r_s = _cotangents(B, T, H, K, K)
+    ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
+    reset = _resets(jnp.asarray(seg), B, T)
+
+    def loss(q, k, v, g, beta, h0):
+        o, s = pallas_kda(q * K**-0.5, k, v, g, beta, h0, reset, C, mode="interpret", layout="loop")
+        return jnp.sum(o * r_o) + jnp.sum(s * r_s), (o, s)
+
+    (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], h0)
+    for name, a, b in zip(NAMES, (o, s) + grads, ref):
+        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+
+
 def test_pallas_rejects_unsupported_shapes():
     x = make_inputs(0, 1, 8, 1, 16)
     with pytest.raises(ValueError, match="chunk_size"):

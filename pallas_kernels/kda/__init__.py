@@ -61,7 +61,7 @@ def _masks(reset, n_chunks, chunk_size):
     return tuple(m.astype(jnp.float32) for m in (same, sees_in, reaches_out))
 
 
-def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode):
+def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
     B, T, H, K = q.shape
     n_chunks = max(1, -(-T // chunk_size))
     t_pad = n_chunks * chunk_size
@@ -69,22 +69,22 @@ def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode):
     terms = _run(fwd.chunk_terms, *ins, *_masks(reset, n_chunks, chunk_size), heads=H,
                  chunk_size=chunk_size, mode=mode)
     h0z = h0.reshape(B * H, K, v.shape[-1])
-    o, hs, ht = _run(fwd.recurrence, *terms, h0z, chunk_size=chunk_size, mode=mode)
+    o, hs, ht = _run(fwd.recurrence, *terms, h0z, chunk_size=chunk_size, mode=mode, layout=layout)
     return _from_kernel(o, B, T), ht.reshape(h0.shape), hs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kda(q, k, v, g, beta, h0, reset, chunk_size, mode):
-    o, ht, _ = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _kda(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
+    o, ht, _ = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout)
     return o, ht
 
 
-def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode):
-    o, ht, hs = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode)
+def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
+    o, ht, hs = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout)
     return (o, ht), (q, k, v, g, beta, reset, hs)
 
 
-def _kda_bwd(chunk_size, mode, res, cts):
+def _kda_bwd(chunk_size, mode, layout, res, cts):
     from k3jax.ops import kda_chunk
 
     q, k, v, g, beta, reset, hs = res
@@ -100,7 +100,7 @@ def _kda_bwd(chunk_size, mode, res, cts):
            terms.decay.reshape(B * H, N * K, 1)]
     dterms = _run(bwd.recurrence_bwd, *kin, hs,
                   _to_kernel(do.astype(jnp.float32), N * chunk_size), dht.reshape(B * H, K, V),
-                  chunk_size=chunk_size, mode=mode)
+                  chunk_size=chunk_size, mode=mode, layout=layout)
     *d_tok, d_dec, dh0 = dterms
     unz = lambda x, ref: x.reshape(ref.shape)  # noqa: E731
     d_terms = type(terms)(*(unz(d, t) for d, t in zip(d_tok, terms[:5])),
@@ -112,15 +112,19 @@ def _kda_bwd(chunk_size, mode, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto"):
+def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", layout=None):
     """KDA through the Pallas kernels. fp32 in and out; returns (o [B,T,H,V], final state).
 
     chunk_size must be a multiple of 16 and a power of two (Triton block shapes).
     mode: "auto" (interpret on CPU, Mosaic on TPU, Triton on GPU, decided per lowering
     platform), or one of "interpret", "tpu", "triton" to force it.
+    layout: the state loop's kernel layout, "stream" or "loop"; None picks per mode
+    (fwd.default_layout). Interpret mode runs either, so CPU tests cover both.
     """
     if mode not in MODES:
         raise ValueError(f"kda(impl='pallas'): unknown mode {mode!r}; expected one of {MODES}")
+    if layout not in (None, "stream", "loop"):
+        raise ValueError(f"kda(impl='pallas'): unknown layout {layout!r}; expected 'stream' or 'loop'")
     if chunk_size % SUB or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda(impl='pallas'): chunk_size must be a power of two and a multiple "
                          f"of {SUB}, got {chunk_size}")
@@ -129,4 +133,4 @@ def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto"):
         if d < 16 or d & (d - 1):
             raise ValueError(f"kda(impl='pallas'): head dim {name}={d} must be a power of two >= 16")
     reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
-    return _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode)
+    return _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout)

@@ -5,9 +5,11 @@ Two kernels, both over a flat axis Z = batch·heads, on the layout [Z, T_pad, ·
 1. `chunk_terms` — grid (Z, N chunks), every program independent: in-chunk cumulative
    decay, the pairwise scores P and A with every exponent kept <= 0, (I + A)^{-1} by
    repeated squaring, and W, U, Q̃, K̃, e^{G_C}. This is where the FLOPs are.
-2. `recurrence` — grid (Z,), a loop over the chunks carrying the [K, V] state:
+2. `recurrence` — the chunks in order, carrying the [K, V] state:
    V' = U − W h; O = Q̃ h + P V'; h ← e^{G_C} ⊙ h + K̃ᵀ V'. It stores each chunk's incoming
-   state for the backward pass.
+   state for the backward pass. Two layouts of the same step (`default_layout`): on TPU
+   a (Z, N) grid streams one chunk per step with the state in VMEM scratch; on GPU one
+   program per head loops over the chunks.
 
 Portability rules the kernels follow so one source lowers to Mosaic (TPU) and Triton
 (GPU): only 2-D values; no slicing of values (Triton has none) — rows are picked with
@@ -176,8 +178,15 @@ def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_si
     )(q, k, v, g, beta, same, sees_in, reaches_out)
 
 
-def _recurrence_kernel(qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref, h0_ref,
-                       o_ref, hs_ref, ht_ref, *, chunk_size):
+def chunk_step(qd, p, w, u, kt, dec, h):
+    """One chunk of the state loop on 2-D values: returns (O, outgoing h)."""
+    v_new = u - dot(w, h)
+    return dot(qd, h) + dot(p, v_new), dec * h + dot_tn(kt, v_new)
+
+
+def _recurrence_loop_kernel(qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref, h0_ref,
+                            o_ref, hs_ref, ht_ref, *, chunk_size):
+    """GPU layout: one program per (batch, head) walks all chunks; refs stay in HBM."""
     C = chunk_size
     K = h0_ref.shape[0]
     N = qd_ref.shape[0] // C
@@ -186,28 +195,81 @@ def _recurrence_kernel(qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref, h0_ref,
         t = pl.multiple_of(n * C, C)
         s = pl.multiple_of(n * K, K)
         hs_ref[pl.ds(s, K), :] = h
-        v_new = u_ref[pl.ds(t, C), :] - dot(w_ref[pl.ds(t, C), :], h)
-        o_ref[pl.ds(t, C), :] = dot(qd_ref[pl.ds(t, C), :], h) + dot(p_ref[pl.ds(t, C), :], v_new)
-        return dec_ref[pl.ds(s, K), :] * h + dot_tn(kt_ref[pl.ds(t, C), :], v_new)
+        tok = lambda r: r[pl.ds(t, C), :]  # noqa: E731
+        o, h = chunk_step(tok(qd_ref), tok(p_ref), tok(w_ref), tok(u_ref), tok(kt_ref),
+                          dec_ref[pl.ds(s, K), :], h)
+        o_ref[pl.ds(t, C), :] = o
+        return h
 
     ht_ref[...] = jax.lax.fori_loop(0, N, chunk, h0_ref[...])
 
 
-def recurrence(qd, p, w, u, kt, dec, h0, *, chunk_size, mode):
+def _recurrence_stream_kernel(qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref, h0_ref,
+                              o_ref, hs_ref, ht_ref, h_scr):
+    """TPU layout: grid (Z, N) with the chunk axis sequential; each step sees one chunk's
+    blocks, and the state lives in a VMEM scratch, so VMEM use does not grow with T."""
+    n = pl.program_id(1)
+
+    @pl.when(n == 0)
+    def _():
+        h_scr[...] = h0_ref[...]
+
+    hs_ref[...] = h_scr[...]
+    o, h = chunk_step(qd_ref[...], p_ref[...], w_ref[...], u_ref[...], kt_ref[...],
+                      dec_ref[...], h_scr[...])
+    o_ref[...] = o
+    h_scr[...] = h
+
+    @pl.when(n == pl.num_programs(1) - 1)
+    def _():
+        ht_ref[...] = h
+
+
+def default_layout(mode):
+    """'stream' (grid over chunks, VMEM scratch state) where the grid runs in order — TPU
+    and interpret mode; 'loop' (a loop inside one program per head) on Triton, whose
+    programs run concurrently."""
+    return "loop" if mode == "triton" else "stream"
+
+
+def stream_call_options(mode):
+    if mode == "tpu":
+        return dict(compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary")))
+    return call_options(mode, 2)
+
+
+def recurrence(qd, p, w, u, kt, dec, h0, *, chunk_size, mode, layout=None):
     """The state loop. Returns (O [Z, Tp, V], incoming states [Z, N·K, V], final [Z, K, V])."""
     Z, Tp, K = qd.shape
     V = u.shape[-1]
-    N = Tp // chunk_size
-    whole = lambda *d: pl.BlockSpec((None, *d), lambda z: (z,) + (0,) * len(d))  # noqa: E731
+    C = chunk_size
+    N = Tp // C
     f32 = jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((Z, Tp, V), f32), jax.ShapeDtypeStruct((Z, N * K, V), f32),
+                 jax.ShapeDtypeStruct((Z, K, V), f32)]
+    args = (qd, p, w, u, kt, dec, h0)
+    if (layout or default_layout(mode)) == "loop":
+        whole = lambda *d: pl.BlockSpec((None, *d), lambda z: (z,) + (0,) * len(d))  # noqa: E731
+        return pl.pallas_call(
+            functools.partial(_recurrence_loop_kernel, chunk_size=C),
+            grid=(Z,),
+            in_specs=[whole(Tp, K), whole(Tp, C), whole(Tp, K), whole(Tp, V), whole(Tp, K),
+                      whole(N * K, 1), whole(K, V)],
+            out_specs=[whole(Tp, V), whole(N * K, V), whole(K, V)],
+            out_shape=out_shape,
+            name="kda_recurrence_fwd",
+            **call_options(mode, 1),
+        )(*args)
+    blk = lambda r, d: pl.BlockSpec((None, r, d), lambda z, n: (z, n, 0))  # noqa: E731
+    per_z = lambda r, d: pl.BlockSpec((None, r, d), lambda z, n: (z, 0, 0))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_recurrence_kernel, chunk_size=chunk_size),
-        grid=(Z,),
-        in_specs=[whole(Tp, K), whole(Tp, chunk_size), whole(Tp, K), whole(Tp, V), whole(Tp, K),
-                  whole(N * K, 1), whole(K, V)],
-        out_specs=[whole(Tp, V), whole(N * K, V), whole(K, V)],
-        out_shape=[jax.ShapeDtypeStruct((Z, Tp, V), f32), jax.ShapeDtypeStruct((Z, N * K, V), f32),
-                   jax.ShapeDtypeStruct((Z, K, V), f32)],
+        _recurrence_stream_kernel,
+        grid=(Z, N),
+        in_specs=[blk(C, K), blk(C, C), blk(C, K), blk(C, V), blk(C, K), blk(K, 1), per_z(K, V)],
+        out_specs=[blk(C, V), blk(K, V), per_z(K, V)],
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((K, V), f32)],
         name="kda_recurrence_fwd",
-        **call_options(mode, 1),
-    )(qd, p, w, u, kt, dec, h0)
+        **stream_call_options(mode),
+    )(*args)
