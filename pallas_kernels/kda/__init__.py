@@ -1,10 +1,10 @@
 """KDA with Pallas kernels, joined into one differentiable function by `jax.custom_vjp`.
 
 Forward: `fwd.chunk_terms` (the intra-chunk factorisation, parallel over chunks) then
-`fwd.recurrence` (state propagation and outputs). Backward: `bwd.recurrence_bwd` walks
-the chunks in reverse for the cotangents of the chunk terms and of h0; those are pulled
-back to q, k, v, g, β through the VJP of the pure-JAX chunk terms (k3jax.ops.kda_chunk,
-the same math, parallel over chunks, compiled by XLA).
+`fwd.recurrence` (state propagation and outputs). Backward: the chunk terms are
+recomputed by `fwd.chunk_terms`, `bwd.recurrence_bwd` walks the chunks in reverse for
+their cotangents and that of h0, and `bwd_terms.chunk_terms_bwd` (parallel over chunks)
+pulls those back to q, k, v, g, β.
 
 Inputs follow k3jax.ops.kda_chunk: fp32, q pre-scaled, `reset` [B, T] bool. Kernels run
 in interpret mode on CPU and are compiled with Mosaic on TPU and Triton on GPU: with
@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import bwd, fwd
+from pallas_kernels.kda import bwd, bwd_terms, fwd
 
 SUB = fwd.SUB
 
@@ -85,28 +85,24 @@ def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
 
 
 def _kda_bwd(chunk_size, mode, layout, res, cts):
-    from k3jax.ops import kda_chunk
-
     q, k, v, g, beta, reset, hs = res
     do, dht = cts
     B, T, H, K = q.shape
     V = v.shape[-1]
-    terms_fn = lambda *x: kda_chunk.chunk_terms(*x, reset > 0, chunk_size)  # noqa: E731
-    terms, pullback = jax.vjp(terms_fn, q, k, v, g, beta)
-    N = terms.w.shape[2]
-    # [B, H, N, C, D] and the kernels' [B·H, N·C, D] are the same memory order.
-    z = lambda x: x.reshape(B * H, N * x.shape[3], *x.shape[4:])  # noqa: E731
-    kin = [z(terms.q_decayed), z(terms.p), z(terms.w), z(terms.u), z(terms.k_tail),
-           terms.decay.reshape(B * H, N * K, 1)]
-    dterms = _run(bwd.recurrence_bwd, *kin, hs,
-                  _to_kernel(do.astype(jnp.float32), N * chunk_size), dht.reshape(B * H, K, V),
-                  chunk_size=chunk_size, mode=mode, layout=layout)
-    *d_tok, d_dec, dh0 = dterms
-    unz = lambda x, ref: x.reshape(ref.shape)  # noqa: E731
-    d_terms = type(terms)(*(unz(d, t) for d, t in zip(d_tok, terms[:5])),
-                          decay=d_dec.reshape(terms.decay.shape))
-    dq, dk, dv, dg, dbeta = pullback(d_terms)
-    return dq, dk, dv, dg, dbeta, dh0.reshape(B, H, K, V), jnp.zeros_like(reset)
+    n_chunks = hs.shape[1] // K
+    t_pad = n_chunks * chunk_size
+    ins = [_to_kernel(x, t_pad) for x in (q, k, v, g, beta[..., None])]
+    masks = _masks(reset > 0, n_chunks, chunk_size)
+    # The chunk terms are recomputed (parallel over chunks) rather than kept from the forward.
+    terms = _run(fwd.chunk_terms, *ins, *masks, heads=H, chunk_size=chunk_size, mode=mode)
+    d_terms = _run(bwd.recurrence_bwd, *terms, hs, _to_kernel(do.astype(jnp.float32), t_pad),
+                   dht.reshape(B * H, K, V), chunk_size=chunk_size, mode=mode, layout=layout)
+    *d_terms, dh0 = d_terms
+    dq, dk, dv, dg, dbeta = _run(bwd_terms.chunk_terms_bwd, *ins, *masks, *d_terms, heads=H,
+                                 chunk_size=chunk_size, mode=mode)
+    d_in = [_from_kernel(x, B, T) for x in (dq, dk, dv, dg, dbeta)]
+    d_in[4] = d_in[4][..., 0]
+    return (*d_in, dh0.reshape(B, H, K, V), jnp.zeros_like(reset))
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

@@ -97,17 +97,14 @@ def _diag_block(q_ref, k_ref, g, i0):
     return jnp.where(tri, b_q, 0.0), jnp.where(tri, b_k, 0.0)
 
 
-def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
-                  qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref):
-    C, K = q_ref.shape
-    q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
-    beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
-    row, col = _iota((C, C), 0), _iota((C, C), 1)
-    G = dot(jnp.where(row >= col, 1.0, 0.0), g)  # inclusive cumsum over the chunk
-    G_last = jnp.sum(g, axis=0, keepdims=True)  # [1, K]
+def pair_scores(q, k, q_ref, k_ref, g, G):
+    """x_i·(k_j ⊙ e^{G_i−G_j}) for x = q and x = k, [C, C] each, zero above the diagonal.
 
-    # Off-diagonal sub-chunk blocks (rows in sub-chunk I, columns before it): factor
-    # e^{G_i−G_j} through the first token r of I, e^{G_i−G_r}·e^{G_r−G_j}, both <= 0.
+    Off-diagonal sub-chunk blocks (rows in sub-chunk I, columns before it) factor
+    e^{G_i−G_j} through the first token r of I, e^{G_i−G_r}·e^{G_r−G_j}, both <= 0;
+    diagonal blocks are built column by column and placed by selector matmuls E B Eᵀ.
+    """
+    C = g.shape[0]
     p = jnp.zeros((C, C), jnp.float32)
     a = jnp.zeros((C, C), jnp.float32)
     r_idx = _iota((C, 1), 0)
@@ -118,26 +115,47 @@ def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref
         col_k = jnp.where(r_idx < i0, k * jnp.exp(jnp.minimum(ref - G, 0.0)), 0.0)
         p = p + dot_nt(q * row_f, col_k)
         a = a + dot_nt(k * row_f, col_k)
-    # Diagonal blocks, placed into the [C, C] matrices by selector matmuls E B Eᵀ.
     for i0 in range(0, C, SUB):
         b_q, b_k = _diag_block(q_ref, k_ref, g, i0)
-        sel = jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + i0, 1.0, 0.0)
+        sel = selector(C, i0)
         p = p + dot_nt(dot(sel, b_q), sel)
         a = a + dot_nt(dot(sel, b_k), sel)
+    return p, a
 
-    same = same_ref[...]
-    p = p * same
-    a = jnp.where(row > col, a, 0.0) * same * beta
 
-    # (I + A)^{-1} = Σ (−A)^n = Π_k (I + (−A)^{2^k}) since A is nilpotent (A^C = 0):
-    # log2(C) squarings, all matmuls.
+def selector(C, i0):
+    """[C, SUB] 0/1 matrix picking sub-chunk rows i0..i0+SUB (exact under HIGHEST)."""
+    return jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + i0, 1.0, 0.0)
+
+
+def unit_lower_inverse(a):
+    """(I + A)^{-1} = Σ (−A)^n = Π_k (I + (−A)^{2^k}) since A is strictly lower (A^C = 0):
+    log2(C) squarings, all matmuls."""
+    C = a.shape[0]
     x = -a
-    inv = jnp.where(row == col, 1.0, 0.0) + x
+    inv = jnp.where(_iota((C, C), 0) == _iota((C, C), 1), 1.0, 0.0) + x
     span = 2
     while span < C:
         x = dot(x, x)
         inv = inv + dot(inv, x)
         span *= 2
+    return inv
+
+
+def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
+                  qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref):
+    C, K = q_ref.shape
+    q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
+    beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
+    G = dot(jnp.where(row >= col, 1.0, 0.0), g)  # inclusive cumsum over the chunk
+    G_last = jnp.sum(g, axis=0, keepdims=True)  # [1, K]
+
+    p, a = pair_scores(q, k, q_ref, k_ref, g, G)
+    same = same_ref[...]
+    p = p * same
+    a = jnp.where(row > col, a, 0.0) * same * beta
+    inv = unit_lower_inverse(a)
 
     eG = jnp.exp(G)
     inside = sees_in > 0  # rows with no document start since the chunk began

@@ -1,0 +1,162 @@
+"""Backward Pallas kernel of the intra-chunk factorisation (fwd.chunk_terms).
+
+Given the cotangents of one chunk's terms (Q̃, P, W, U, K̃, e^{G_C}) it returns dq, dk, dv,
+dg, dβ for that chunk; grid (Z, N), every program independent, like the forward. The
+forward terms are recomputed in the kernel (scores, (I + A)^{-1}, W, U) rather than stored.
+
+With T = (I + A)^{-1}, R = diag(β)[K̂ | V] (K̂ = K ⊙ e^G on rows that see the incoming
+state) and [W | U] = T R:
+  dR = Tᵀ [dW | dU],   dA = −dR [W | U]ᵀ   (strictly lower, same document),
+  dβ_i = Σ_j dA_ij S^k_ij + R-row terms,   dS^k = diag(β) dA,   dS^q = dP (causal, same doc).
+A score S_ij = x_i·(k_j ⊙ e^{G_i−G_j}) sends, through the decayed products
+  Rw(D, Y)_i = Σ_{j<=i} D_ij Y_j ⊙ e^{G_i−G_j}   and   Cl(D, X)_j = Σ_{i>=j} D_ij X_i ⊙ e^{G_i−G_j},
+dx += Rw(dS, K), dk += Cl(dS, X), dG += x ⊙ Rw(dS, K) − k ⊙ Cl(dS, X); finally
+dg = Lᵀ dG + dG_C (L the inclusive lower triangle of ones). The decayed products use the
+forward's sub-chunk factorisation, so every exponent stays <= 0.
+Portability rules as in fwd.py (2-D values, no value slicing, matmul dims >= 16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, dot, dot_nt, dot_tn,
+                                    pair_scores, selector, unit_lower_inverse)
+
+
+def _decayed_products(G, pairs_row, pairs_col):
+    """Rw(D, Y) for each (D, Y) in pairs_row, and Σ Cl(D, X) over pairs_col; every D is
+    [C, C] and zero above the diagonal. Returns ([rw, ...], cl), [C, K] each."""
+    C, K = G.shape
+    rw = [jnp.zeros((C, K), jnp.float32) for _ in pairs_row]
+    cl = jnp.zeros((C, K), jnp.float32)
+    r_idx = _iota((C, 1), 0)
+    # Off-diagonal sub-chunk blocks through the reference token r = i0 (first row of I).
+    for i0 in range(SUB, C, SUB):
+        ref = _row(G, i0)
+        rows = (r_idx >= i0) & (r_idx < i0 + SUB)
+        row_f = jnp.where(rows, jnp.exp(jnp.minimum(G - ref, 0.0)), 0.0)  # e^{G_i−G_r}, i in I
+        col_f = jnp.where(r_idx < i0, jnp.exp(jnp.minimum(ref - G, 0.0)), 0.0)  # e^{G_r−G_j}, j < r
+        rw = [r + row_f * dot(d, y * col_f) for r, (d, y) in zip(rw, pairs_row)]
+        for d, x in pairs_col:
+            cl = cl + col_f * dot_tn(d, x * row_f)
+    # Diagonal blocks, column by column on the sub-chunk's rows (selected by matmuls).
+    s_col = _iota((SUB, SUB), 1)
+    s_idx = _iota((SUB, 1), 0)
+    for i0 in range(0, C, SUB):
+        sel = selector(C, i0)
+        pick = lambda x: dot_tn(sel, x)  # noqa: E731  rows I of x, [SUB, ·]
+        G_I = pick(G)
+        rows_d = [(dot(pick(d), sel), pick(y)) for d, y in pairs_row]  # D_II, Y_I
+        cols_d = [(dot(pick(d), sel), pick(x)) for d, x in pairs_col]
+
+        def column(j, acc, G_I=G_I, rows_d=rows_d, cols_d=cols_d):
+            rw_I, cl_I = acc
+            # e^{G_i − G_j} for rows i >= j of the sub-chunk (exponent <= 0), else 0.
+            e = jnp.where(s_idx >= j, jnp.exp(jnp.minimum(G_I - _row(G_I, j), 0.0)), 0.0)
+            col_j = lambda d: jnp.sum(jnp.where(s_col == j, d, 0.0), axis=1, keepdims=True)  # noqa: E731
+            rw_I = [r + col_j(d) * _row(y, j) * e for r, (d, y) in zip(rw_I, rows_d)]
+            for d, x in cols_d:
+                cl_j = jnp.sum(col_j(d) * x * e, axis=0, keepdims=True)  # [1, K]
+                cl_I = cl_I + jnp.where(s_idx == j, cl_j, 0.0)
+            return rw_I, cl_I
+
+        zero = jnp.zeros((SUB, K), jnp.float32)
+        rw_I, cl_I = jax.lax.fori_loop(0, SUB, column, ([zero for _ in rows_d], zero))
+        rw = [r + dot(sel, r_I) for r, r_I in zip(rw, rw_I)]
+        cl = cl + dot(sel, cl_I)
+    return rw, cl
+
+
+def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
+                      dqd_ref, dp_ref, dw_ref, du_ref, dkt_ref, ddec_ref,
+                      dq_ref, dk_ref, dv_ref, dg_ref, db_ref):
+    C, K = q_ref.shape
+    q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
+    beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
+    same = same_ref[...]
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
+    tril = jnp.where(row >= col, 1.0, 0.0)
+    G = dot(tril, g)
+    G_last = jnp.sum(g, axis=0, keepdims=True)  # [1, K]
+
+    # Recompute the forward terms the cotangents flow through.
+    p_raw, a_raw = pair_scores(q, k, q_ref, k_ref, g, G)
+    strict_same = jnp.where(row > col, same, 0.0)
+    inv = unit_lower_inverse(a_raw * strict_same * beta)
+    eG = jnp.exp(G)
+    inside = sees_in > 0
+    k_hat = jnp.where(inside, k * eG, 0.0)
+    w = dot(inv, beta * k_hat)
+    u = dot(inv, beta * v)
+
+    # Through the triangular solve.
+    dr_k = dot_tn(inv, dw_ref[...])
+    dr_v = dot_tn(inv, du_ref[...])
+    d_a = -(dot_nt(dr_k, w) + dot_nt(dr_v, u)) * strict_same
+    dbeta = (jnp.sum(d_a * a_raw, axis=1, keepdims=True)
+             + jnp.sum(dr_k * k_hat, axis=1, keepdims=True)
+             + jnp.sum(dr_v * v, axis=1, keepdims=True))
+    dv = beta * dr_v
+    dk_hat = beta * dr_k
+    dk = jnp.where(inside, dk_hat * eG, 0.0)
+    dG = jnp.where(inside, dk_hat * k * eG, 0.0)
+
+    # Q̃ = Q ⊙ e^G on rows that see the incoming state.
+    dqd = dqd_ref[...]
+    dq = jnp.where(inside, dqd * eG, 0.0)
+    dG = dG + jnp.where(inside, dqd * q * eG, 0.0)
+
+    # K̃ = K ⊙ e^{G_C − G} on rows that reach the outgoing state, and e^{G_C}.
+    e_tail = jnp.exp(jnp.minimum(G_last - G, 0.0))
+    dkt = dkt_ref[...]
+    dk = dk + jnp.where(reaches_out > 0, dkt * e_tail, 0.0)
+    t = jnp.where(reaches_out > 0, dkt * k * e_tail, 0.0)
+    dG = dG - t
+    eye_k = _iota((K, K), 0) == _iota((K, K), 1)
+    ddec = jnp.sum(jnp.where(eye_k, ddec_ref[...], 0.0), axis=0, keepdims=True)  # [K,1] -> [1,K]
+    clean = _row(sees_in, C - 1)
+    dG_last = jnp.sum(t, axis=0, keepdims=True) + jnp.where(clean > 0, ddec * jnp.exp(G_last), 0.0)
+
+    # Through the scores S^q (P) and S^k (A before β).
+    d_sq = dp_ref[...] * jnp.where(row >= col, same, 0.0)
+    d_sk = d_a * beta
+    # Rw(dS^q, K) and Rw(dS^k, K) stay apart (they multiply q and k in dG); both Cl
+    # terms multiply k, so they are summed.
+    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)])
+    dq = dq + rw_q
+    dk = dk + rw_k + cl
+    dG = dG + q * rw_q + k * rw_k - k * cl
+
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+    dg_ref[...] = dot_tn(tril, dG) + dG_last
+    db_ref[...] = dbeta
+
+
+def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
+                    dqd, dp, dw, du, dkt, ddec, *, heads, chunk_size, mode):
+    """Cotangents of q, k, g [Z, Tp, K], v [Z, Tp, V], β [Z, Tp, 1] from those of the
+    chunk terms (layouts as fwd.chunk_terms returns them)."""
+    Z, Tp, K = q.shape
+    V, C, H = v.shape[-1], chunk_size, heads
+    N = Tp // C
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (z, n, 0))  # noqa: E731
+    per_b = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (jax.lax.div(z, H), n, 0))  # noqa: E731
+    f32 = jnp.float32
+    return pl.pallas_call(
+        _terms_bwd_kernel,
+        grid=(Z, N),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1),
+                  tok(K), tok(C), tok(K), tok(V), tok(K),
+                  pl.BlockSpec((None, K, 1), lambda z, n: (z, n, 0))],
+        out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
+        out_shape=[jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),
+                   jax.ShapeDtypeStruct((Z, Tp, V), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),
+                   jax.ShapeDtypeStruct((Z, Tp, 1), f32)],
+        name="kda_chunk_terms_bwd",
+        **call_options(mode, 2),
+    )(q, k, v, g, beta, same, sees_in, reaches_out, dqd, dp, dw, du, dkt, ddec)
