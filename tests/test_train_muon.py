@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from k3jax.config import load
+from k3jax.config import load, load_k3
+from k3jax.layers.vision import vision_param_shapes
 from k3jax.model import abstract_params
 from k3jax.train import config as tconf
 from k3jax.train.muon import build_optimizer, param_groups, path_str
@@ -99,10 +100,10 @@ def test_per_expert_and_scanned_batch_axes(toy):
 # The intended group of every param, written independently of muon.classify (by path regex).
 TABLE = [
     (r"e_score_correction_bias$", "router_bias"),
-    (r"^embed_tokens/|^lm_head/", "adamw"),
+    (r"^embed_tokens/|^lm_head/|^vision/.*/pos_emb$", "adamw"),
     (r"_conv1d$", "adamw"),
     (r"(A_log|dt_bias)$", "adamw_nodecay"),
-    (r"(layernorm|_norm|^norm|routed_expert_norm)/weight$", "adamw_nodecay"),
+    (r"(layernorm|_norm|^norm|routed_expert_norm|/norm\d)/weight$", "adamw_nodecay"),
     (r"_res/(norm|proj)$", "adamw_nodecay"),
     (r"block_sparse_moe/w[123]$", "muon_expert"),
     (r"self_attn/(q_proj|k_proj|v_proj)/kernel$", "muon_head@kda"),
@@ -138,6 +139,10 @@ def test_every_param_in_its_group(name):
         assert g == expected_group(cfg, path), path
         seen.add(g)
     assert seen == {"router_bias", "adamw", "adamw_nodecay", "muon_expert", "muon_head", "muon_kv_b", "muon"}
+    if name == "k3":  # the vision tower and projector, as a multimodal fine-tune holds them
+        vision = {"vision": vision_param_shapes(load_k3(name).vision)}
+        for p, g in jax.tree_util.tree_leaves_with_path(param_groups(cfg, vision)):
+            assert g == expected_group(cfg, path_str(p)), path_str(p)
 
 
 def test_frozen_params_have_no_state_and_no_update(toy):

@@ -6,7 +6,7 @@ Every param gets a *group* from its path and the layer kind (`param_groups`):
   muon_kv_b    MLA kv_b_proj: per head, k_nope and v blocks separately (or the whole head block)
   muon_expert  stacked routed experts w1/w2/w3: per expert
   muon         every other matrix (o_proj, g_proj, LoRA down-projections, router gate, dense MLPs)
-  adamw        embeddings, lm_head, conv weights (decoupled weight decay)
+  adamw        embeddings (token, vision positions), lm_head, conv weights (decoupled decay)
   adamw_nodecay norms, AttnRes vectors, A_log, dt_bias (no decay: they are scales, not features)
   router_bias  e_score_correction_bias: never touched by the optimizer; Quantile Balancing owns it
   frozen       anything matching a `freeze` pattern (a glob on the param path, e.g. '*/w[123]',
@@ -67,7 +67,7 @@ def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=()) -> 
     if any(re.search(pat[3:], path) if pat.startswith("re:") else fnmatch.fnmatchcase(path, pat)
            for pat in freeze):
         return "frozen"
-    if name in ("embed_tokens", "lm_head"):
+    if name in ("embed_tokens", "lm_head", "pos_emb"):  # pos_emb: the vision position table
         return "adamw"
     if name.endswith("_conv1d"):
         return "adamw"
