@@ -23,7 +23,6 @@ TOL = 1e-5
 # KDA's implementation is not what these tests are about, and the per-token recurrence
 # compiles far faster on CPU than the chunked form at this length.
 RUNTIME = dict(kda_impl="recurrent")
-GRAD_TOL = 1e-5   # the issue's bar; see the comment at its use
 
 
 def rel(a, b) -> float:
@@ -43,15 +42,49 @@ def step_fn(cfg):
     return step
 
 
+def probe_batch(cfg):
+    """8 rows of 16 random bytes, each starting with BOS as every document does.
+
+    Why BOS: at t = 0 KDA's output o_0 = scale·β_0·(q_0·k_0)·v_0 lies far below the o_norm's
+    sqrt(eps) = 3.2e-3, so there the norm is a fixed gain of 1/sqrt(eps) and the gradient
+    reaching q_0 is scale·β_0·(dL/do_0 · v_0)·k_0: a cancelling 16-term dot of a cotangent
+    already carrying the rounding of 12 layers of backward, on a token-head up to ~300x
+    heavier than its neighbours. With random first bytes, row 4 head 0 of layer 0
+    (q_0·k_0 = -0.0049) holds a third of the squared norm of the cotangent of that layer's
+    q-conv output and 99.7% of its fp32 error (1.6e-4 relative vs a float64 run); the
+    single-device gradient then differs from itself by 1.49e-5 when only the batch blocking
+    changes, so no 1e-5 comparison against it can be met. test_gradient_probe_resolves_the_bar
+    holds this probe to that standard."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (8, 16)).astype(np.int32)
+    targets = rng.integers(0, 256, (8, 16)).astype(np.int32)
+    tokens[:, 0] = cfg.bos_token_id
+    return tokens, targets
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
 @pytest.fixture(scope="module")
 def reference():
     cfg = load("toy", moe_dispatch="ep", **RUNTIME)   # no mesh here: runs as 'ragged'
     params = init_params(cfg, jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (8, 16)).astype(np.int32)
-    targets = rng.integers(0, 256, (8, 16)).astype(np.int32)
+    tokens, targets = probe_batch(cfg)
     loss, logits, grads, _ = jax.jit(step_fn(cfg))(params, tokens, targets)
     return params, tokens, targets, (loss, logits, grads)
+
+
+def test_gradient_probe_resolves_the_bar(reference):
+    """The parity bar is only a test of sharding if one device reproduces its own fp32
+    gradient within it when nothing but the summation order changes: here the batch is
+    re-blocked into two halves (equal math). Measured 5.3e-6 at this probe (vs a float64
+    run of the same model: 6.7e-6 single-device, 6.4-6.9e-6 on the meshes)."""
+    params, tokens, targets, (_, _, grads0) = reference
+    step = jax.jit(step_fn(load("toy", moe_dispatch="ep", **RUNTIME)))
+    halves = [step(params, tokens[i:i + 4], targets[i:i + 4])[2] for i in (0, 4)]
+    floor = rel((flat(halves[0]) + flat(halves[1])) / 2, flat(grads0))
+    assert floor < TOL, f"probe is too ill-conditioned for the bar: noise floor {floor:.2e}"
 
 
 @pytest.mark.parametrize("preset", MESHES)
@@ -72,23 +105,15 @@ def test_sharded_step_matches_single_device(reference, preset):
     assert ("all-to-all" in lowered.as_text() or "all_to_all" in lowered.as_text()) == (mesh.shape["expert"] > 1)
     assert rel(loss, loss0) < TOL
     assert rel(logits, logits0) < TOL
-    # The gradient as one vector, held to the issue's 1e-5 bar. Measured 1.45e-5 on data8 (no
-    # 'ep': batch split only), data2_fsdp2_expert2 and expert8, 1.85e-5 on
-    # fsdp2_expert2_tensor2: the same on a pure data-parallel mesh, so it is fp32 reduction
-    # order through 13 layers rather than the dispatch: on one device, the batch-8 gradient and
-    # the mean of its two batch-4 halves (equal math) already differ by 1.47e-5. Until #5
-    # closes that gap (a comparison above fp32's noise floor) the band
-    # (1e-5, 1e-4) is reported as an expected failure; a wiring bug (>= 1e-4) fails outright.
-    leaves0, leaves = jax.tree.leaves(grads0), jax.tree.leaves(grads)
+    # the gradient as one vector, as the issue states the bar. Measured 7.6e-6 on data8,
+    # data2_fsdp2_expert2 and expert8 (identical: each device runs the same per-row program),
+    # 6.7e-6 on fsdp2_expert2_tensor2; a float64 run of the model is 6.4-6.9e-6 from each.
     assert jax.tree.structure(grads) == jax.tree.structure(grads0)
-    g0 = np.concatenate([np.asarray(x, np.float64).ravel() for x in leaves0])
-    g1 = np.concatenate([np.asarray(x, np.float64).ravel() for x in leaves])
-    err = rel(g1, g0)
-    assert err < 1e-4, err
+    err = rel(flat(grads), flat(grads0))
+    print(f"{preset}: loss {rel(loss, loss0):.2e} logits {rel(logits, logits0):.2e} grads {err:.2e}")
+    assert err < TOL, err
     for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(new)):
         assert x.sharding.is_equivalent_to(s, x.ndim)  # nothing silently gathered
-    if err >= GRAD_TOL:
-        pytest.xfail(f"#5 open: sharded gradients {err:.2e} relative to single-device, above {GRAD_TOL}")
 
 
 def test_expert_weights_are_split():
