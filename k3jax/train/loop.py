@@ -69,15 +69,52 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _initial_params(cfg, tc, key):
+def _initial_params(cfg, tc, key, mesh=None):
+    """Params from `init_from` or a fresh init; with a mesh they are born sharded (restored
+    shard by shard, or initialised under jit with out-shardings), never whole on one host."""
+    shardings = None
+    if mesh is not None:
+        from k3jax import sharding
+        shardings = lambda c: sharding.param_shardings(c, *mesh)  # noqa: E731
     if tc["init_from"]:
         from k3jax.checkpoint.load import load_model_dir   # another module's loader; lazy
-        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"])
+        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], shardings=shardings)
         if k3.text.replace(runtime=cfg.runtime) != cfg:
             raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
         return params
+    if mesh is not None:
+        from k3jax import sharding
+        return sharding.init_params_sharded(cfg, key, *mesh)
     from k3jax.model import init_params
     return init_params(cfg, key)
+
+
+def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
+    """(TrainState born sharded, the step jitted with that state's shardings pinned in and out).
+
+    Pinned so the step compiles once: left to propagation, the first call sees the state as
+    created and later calls see what the step returned, which differ (the optimizer state
+    would even start replicated: its zeros carry no sharding of their own). The optimizer
+    state's shardings are those XLA derives from the params' through the optimizer's own
+    reshapes (Muon's block views), read off a compiled update: no per-optimizer table to
+    keep in step with the optimizer."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.train.step import TrainState
+    replicated = NamedSharding(mesh[0], P())
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    opt_sh = jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract).compile().output_shardings
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
+                    out_shardings=state_sh)(params)
+
+    def sharded_train_step(state, batch):
+        return train_step(state, batch)
+    step = jax.jit(sharded_train_step, in_shardings=(state_sh, batch_sharding),
+                   out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    return state, step
 
 
 def _data_path(path: str) -> str:
@@ -138,20 +175,25 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         f"{d['batch_size']}x{d['grad_accum']} rows per step")
 
     t0 = time.perf_counter()
-    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]))
-    place_batch = lambda b: b  # noqa: E731
-    if mesh is not None:
+    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
+    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
+    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+    if mesh is None:
+        state = tstep.init_state(params, tx)
+        place_batch = lambda b: b  # noqa: E731
+    else:
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         from k3jax import sharding
-        params = sharding.shard_params(params, sharding.param_shardings(cfg, *mesh))
         rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
-        # every process computes the same global batch from (seed, step); each keeps its shards
-        place_batch = lambda b: {k: jax.device_put(v, rows) for k, v in b.items()}  # noqa: E731
-        log(f"mesh {dict(mesh[0].shape)}; moe dispatch {cfg.runtime.moe_dispatch}")
-    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
-    state = tstep.init_state(params, tx)
-    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+        # every process computes the same global batch from (seed, step) and hands over
+        # only the slices its own devices hold
+        place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
+                                 for k, v in b.items()}
+        state, train_step = _sharded_state_and_step(mesh, params, tx, train_step, rows)
+        del params
+        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
+            f"moe dispatch {cfg.runtime.moe_dispatch}")
 
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), options=opts)
@@ -227,7 +269,9 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     if rc == 0 and not stop["sigterm"] and last_loss is not None:
         log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
             f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
-        if tc["sample_tokens"]:
+        if tc["sample_tokens"] and jax.process_count() > 1:
+            log("sample: skipped (the end-of-run sample runs single-process only)")
+        elif tc["sample_tokens"]:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
