@@ -14,7 +14,8 @@ def register(sub):
     p.add_argument("--distributed", choices=["auto", "on", "off"], default="auto",
                    help="call jax.distributed.initialize() first: 'auto' does so when a multi-host "
                         "launcher is detected (SLURM with several tasks, a TPU pod, or "
-                        "JAX_COORDINATOR_ADDRESS set)")
+                        "JAX_COORDINATOR_ADDRESS set). Where jax cannot detect the cluster, set "
+                        "JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent XLA compilation cache (~/.cache/k3jax/xla)")
     p.set_defaults(fn=run)
@@ -26,11 +27,25 @@ def _multi_host_launch() -> bool:
                 or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1)
 
 
+def _process_env() -> dict:
+    """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID. jax reads only
+    JAX_COORDINATOR_ADDRESS from the environment; these two complete a launch that no cluster
+    manager describes (plain hosts, or several local processes as in the tests)."""
+    out = {}
+    for var, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+        if os.environ.get(var, "") != "":
+            try:
+                out[key] = int(os.environ[var])
+            except ValueError:
+                raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
+    return out
+
+
 def run(args) -> int:
     import jax
     # Before anything touches a device: every host must join before the mesh is built.
     if args.distributed == "on" or (args.distributed == "auto" and _multi_host_launch()):
-        jax.distributed.initialize()
+        jax.distributed.initialize(**_process_env())
     # Compiling the train step dominates a short CPU run; a rerun or resume reuses it.
     if not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir",
