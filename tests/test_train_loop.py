@@ -88,3 +88,42 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(setup):
     bad = next(x["step"] for x in recs if x.get("nonfinite"))
     saved = sorted(int(x) for x in os.listdir(d / "nan" / "checkpoints") if x.isdigit())
     assert saved and saved[-1] == bad - 1       # the non-finite step was never checkpointed
+
+
+def _raw_tensor(path, name):
+    """One F32 tensor of a safetensors file, read with nothing but struct/json/numpy."""
+    import struct
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        start, end = header[name]["data_offsets"]
+        f.seek(8 + n + start)
+        return np.frombuffer(f.read(end - start), np.float32).reshape(header[name]["shape"])
+
+
+def test_init_from_starts_at_the_converted_weights(tmp_path):
+    """`init_from` (an HF directory here; a converted Orbax one goes through the same
+    loader) gives the run the checkpoint's weights, and refuses a checkpoint of another model."""
+    import numpy as np
+
+    from helpers import SHARED, need
+    from k3jax.config import ModelConfig
+    from k3jax.train import config as tconf
+    from k3jax.train.loop import _initial_params
+
+    src = need(SHARED / "fixtures" / "fixture_a")
+    cfg = ModelConfig.from_hf(src / "config.json")
+    tc = tconf.resolve({}, {"init_from": str(src)})
+    cfg = cfg.with_runtime(**tc["runtime"])
+    params = _initial_params(cfg, tc, key=None)
+    want = _raw_tensor(src / "model.safetensors", "language_model.model.embed_tokens.weight")
+    np.testing.assert_array_equal(np.asarray(params["embed_tokens"]["embedding"]), want)
+    want = _raw_tensor(src / "model.safetensors", "language_model.lm_head.weight")
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]).T, want)
+
+    other = cfg.replace(hidden_size=cfg.hidden_size * 2)
+    with pytest.raises(ValueError, match="differs from the run's config"):
+        _initial_params(other, tc, key=None)
