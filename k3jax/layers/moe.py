@@ -2,7 +2,8 @@
 
 `dense` runs every expert on every token (an einsum; small and obviously right, the CPU
 oracle); `ragged` sorts the (token, expert) pairs by expert and runs one grouped matmul
-(`jax.lax.ragged_dot`) per weight — dropless, no capacity factor; `ep` sends each pair to
+per weight (`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) —
+dropless, no capacity factor; `ep` sends each pair to
 the device that owns its expert and runs the grouped matmuls there. All combine in fp32.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import HIGHEST, compute_dtype, dense, logical, matrix_init, param_dtype
 from k3jax.layers.mlp import GatedMLP, glu_activation
 from k3jax.layers.norms import RMSNorm
+from k3jax.ops.grouped_matmul import grouped_matmul
 
 
 def route(x, gate_w, bias, top_k: int, renormalize: bool, scaling: float):
@@ -52,9 +54,9 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     order = jnp.argsort(flat, stable=True)
     rows = z[order // k]
     sizes = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
-    g = jax.lax.ragged_dot(rows, w1, sizes)
-    u = jax.lax.ragged_dot(rows, w3, sizes)
-    out = jax.lax.ragged_dot(glu_activation(cfg, g, u), w2, sizes)
+    g = grouped_matmul(rows, w1, sizes)
+    u = grouped_matmul(rows, w3, sizes)
+    out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
 
@@ -132,9 +134,9 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
     x = recv[order2]
-    g = jax.lax.ragged_dot(x, w1, sizes)
-    u = jax.lax.ragged_dot(x, w3, sizes)
-    out = jax.lax.ragged_dot(glu_activation(cfg, g, u), w2, sizes)
+    g = grouped_matmul(x, w1, sizes)
+    u = grouped_matmul(x, w3, sizes)
+    out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
     out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
 
     # 4. return the results to their senders, in the sender's sorted-pair order
