@@ -117,6 +117,16 @@ def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
     return state, step
 
 
+def _barrier(name: str):
+    """Every process waits here at the coordinator (no device collective). A process's first
+    collective over a new group of devices gives its peers only 30 s to join on CPU (gloo),
+    less than the skew that compiling the step or initialising can leave between processes."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed   # jax has no public barrier on the coordinator's client
+    distributed.global_state.client.wait_at_barrier(f"k3jax_{name}", 60 * 60 * 1000)
+
+
 def _data_path(path: str) -> str:
     """Relative dataset paths resolve against the working directory, then the repo root
     (so `k3jax train configs/toy.yaml` finds the shipped corpus from anywhere)."""
@@ -195,6 +205,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
 
+    _barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), options=opts)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -212,6 +223,16 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         log(f"{run_dir} already holds step {start} >= steps={tc['steps']}: nothing to do "
             f"(pass a new run_name= or a larger steps=)")
     log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {run_dir}")
+    precompiled = mesh is not None and start < tc["steps"]
+    if precompiled:
+        # compiled ahead of the loop: with the shardings pinned this is the one compile, and a
+        # batch or state that did not match it would be an error rather than a recompile
+        t = time.perf_counter()
+        batch0 = ds.batch(tc["seed"], start, d["batch_size"], d["grad_accum"])
+        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+                                              for k, v in batch0.items()}).compile()
+        log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
+        _barrier("compiled")
 
     stop = {"sigterm": False}
     prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
@@ -252,7 +273,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
                            if "load_max" in rec else "")
                     bar.close() if bar.on else None
-                    note = " (includes compile)" if step == start + 1 else ""
+                    note = " (includes compile)" if step == start + 1 and not precompiled else ""
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
                         f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
                     t_log, steps_since = time.perf_counter(), 0
