@@ -1,6 +1,7 @@
 """`k3jax forward [CONFIG]`: random-init forward pass with timings, the quickest smoke test."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -12,7 +13,11 @@ def register(sub):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk"])
-    p.add_argument("--moe-dispatch", default="ragged", choices=["dense", "ragged"])
+    p.add_argument("--moe-dispatch", default=None, choices=["dense", "ragged", "ep"],
+                   help="default: 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
+    p.add_argument("--mesh", default=None,
+                   help="mesh preset (configs/meshes/*.yaml) or YAML path: params are initialised "
+                        "sharded over it and the batch is split by its rules")
     p.set_defaults(fn=run)
 
 
@@ -23,25 +28,41 @@ def run(args) -> int:
     from k3jax.config import load
     from k3jax.model import forward, init_params, layer_plan
 
-    cfg = load(args.config, kda_impl=args.kda_impl, moe_dispatch=args.moe_dispatch)
+    mesh = rules = None
+    if args.mesh is not None:
+        from k3jax import sharding
+        mesh, rules = sharding.load_mesh(args.mesh)
+    dispatch = args.moe_dispatch or ("ep" if mesh is not None and mesh.shape["expert"] > 1 else "ragged")
+    cfg = load(args.config, kda_impl=args.kda_impl, moe_dispatch=dispatch)
     plan = layer_plan(cfg)
+    where = (f"mesh {dict(mesh.shape)}" if mesh is not None
+             else f"devices: {jax.devices()[0].platform} x{jax.device_count()}")
     print(f"config {args.config}: {cfg.num_hidden_layers} layers ({cfg.layer_kinds.count('kda')} KDA, "
           f"{cfg.layer_kinds.count('mla')} MLA), {len(plan.head)} unrolled + {plan.n_groups} scanned groups "
-          f"of {plan.group_size} + {len(plan.tail)} unrolled; devices: {jax.devices()[0].platform} "
-          f"x{jax.device_count()}", flush=True)
-    t = time.perf_counter()
-    params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(args.seed)))
-    n = sum(x.size for x in jax.tree.leaves(params))
-    print(f"init: {n:,d} params in {time.perf_counter() - t:.1f} s", flush=True)
+          f"of {plan.group_size} + {len(plan.tail)} unrolled; {where}; moe dispatch {dispatch}", flush=True)
+    if dispatch == "ep" and (mesh is None or mesh.shape["expert"] == 1):
+        print("note: 'ep' without a mesh expert axis > 1 runs as 'ragged'", flush=True)
     tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (args.batch, args.seq), dtype=np.int32)
-    t = time.perf_counter()
-    logits = jax.block_until_ready(forward(cfg, params, tokens))
-    first = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(args.repeats):
+    with contextlib.ExitStack() as stack:
+        t = time.perf_counter()
+        if mesh is None:
+            params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(args.seed)))
+        else:
+            stack.enter_context(sharding.use_mesh(mesh, rules))
+            params = jax.block_until_ready(sharding.init_params_sharded(cfg, jax.random.PRNGKey(args.seed), mesh, rules))
+            # a batch smaller than the batch axes stays replicated along the axes it cannot fill
+            spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
+            tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
+        n = sum(x.size for x in jax.tree.leaves(params))
+        print(f"init: {n:,d} params in {time.perf_counter() - t:.1f} s", flush=True)
+        t = time.perf_counter()
         logits = jax.block_until_ready(forward(cfg, params, tokens))
-    step = (time.perf_counter() - t) / max(args.repeats, 1)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(args.repeats):
+            logits = jax.block_until_ready(forward(cfg, params, tokens))
+        step = (time.perf_counter() - t) / max(args.repeats, 1)
     print(f"forward [{args.batch}x{args.seq}]: compile+run {first:.1f} s, then {step * 1e3:.1f} ms "
           f"({args.batch * args.seq / step:,.0f} tokens/s); logits {tuple(logits.shape)}, "
-          f"finite={bool(np.isfinite(logits).all())}")
+          f"finite={bool(np.isfinite(np.asarray(logits)).all())}")
     return 0
