@@ -200,3 +200,11 @@ def test_bad_presets_name_the_problem(tmp_path):
     (tmp_path / "big.yaml").write_text("ici: {data: 16}\n")
     with pytest.raises(ConfigError, match="16 devices"):
         sharding.load_mesh(str(tmp_path / "big.yaml"))
+
+
+def test_forward_command_on_a_mesh(capsys):
+    from k3jax.cli import main
+    assert main(["forward", "toy", "--mesh", "expert8", "--batch", "8", "--seq", "16",
+                 "--kda-impl", "recurrent", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "'expert': 8" in out and "moe dispatch ep" in out and "finite=True" in out, out
