@@ -83,7 +83,6 @@ def _initial_params(cfg, tc, key, mesh=None):
             raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
         return params
     if mesh is not None:
-        from k3jax import sharding
         return sharding.init_params_sharded(cfg, key, *mesh)
     from k3jax.model import init_params
     return init_params(cfg, key)
