@@ -156,6 +156,19 @@ def step_stats(params, intermediates, k: int, valid, method: str, bins: int):
     return out
 
 
+def accumulator_zeros(params, method: str, bins: int):
+    """Zeros shaped like the stats that add up across microbatches (step_stats' "load", and
+    with 'hist' its "stat" counts), from the bias shapes alone: no model trace needed."""
+    out = {}
+    for path in bias_paths(params):
+        b = _get(params, path)
+        entry = {"load": jnp.zeros(b.shape, jnp.float32)}
+        if method == "hist":
+            entry["stat"] = jnp.zeros((*b.shape, bins), jnp.float32)
+        out["/".join(path)] = entry
+    return out
+
+
 def new_biases(params, stats, k: int, valid, method: str, sweeps: int = 6):
     """Params with every router bias replaced by its re-solved value.
 

@@ -104,10 +104,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                 out = ({p: s["stat"] for p, s in stats.items()}, valid)
             return (loss_sum + l, count + c, grads, hist), out
 
-        stats0 = jax.eval_shape(lambda: micro(params, jax.tree.map(lambda x: x[0], batch), grids)[3])
-        if method == "exact":
-            stats0 = {p: {"load": s["load"]} for p, s in stats0.items()}
-        hist0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0)
+        hist0 = balancing.accumulator_zeros(params, method, bins) if method else {}
         (loss_sum, count, grads, agg), per_mb = jax.lax.scan(
             body, (jnp.zeros(()), jnp.zeros(()), zeros, hist0), batch)
         denom = jnp.maximum(count, 1.0)
