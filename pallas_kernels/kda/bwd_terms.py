@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, dot, dot_nt, dot_tn,
-                                    pair_scores, selector, unit_lower_inverse)
+from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, chunk_specs, dot, dot_nt,
+                                    dot_tn, offdiag_factors, pair_scores, selector,
+                                    unit_lower_inverse)
 
 
 def _decayed_products(G, pairs_row, pairs_col):
@@ -32,13 +33,9 @@ def _decayed_products(G, pairs_row, pairs_col):
     C, K = G.shape
     rw = [jnp.zeros((C, K), jnp.float32) for _ in pairs_row]
     cl = jnp.zeros((C, K), jnp.float32)
-    r_idx = _iota((C, 1), 0)
     # Off-diagonal sub-chunk blocks through the reference token r = i0 (first row of I).
     for i0 in range(SUB, C, SUB):
-        ref = _row(G, i0)
-        rows = (r_idx >= i0) & (r_idx < i0 + SUB)
-        row_f = jnp.where(rows, jnp.exp(jnp.minimum(G - ref, 0.0)), 0.0)  # e^{G_i−G_r}, i in I
-        col_f = jnp.where(r_idx < i0, jnp.exp(jnp.minimum(ref - G, 0.0)), 0.0)  # e^{G_r−G_j}, j < r
+        row_f, col_f = offdiag_factors(G, i0)
         rw = [r + row_f * dot(d, y * col_f) for r, (d, y) in zip(rw, pairs_row)]
         for d, x in pairs_col:
             cl = cl + col_f * dot_tn(d, x * row_f)
@@ -144,15 +141,13 @@ def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads
     N = Tp // C
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (z, n, 0))  # noqa: E731
-    per_b = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (jax.lax.div(z, H), n, 0))  # noqa: E731
+    tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
     return pl.pallas_call(
         _terms_bwd_kernel,
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1),
-                  tok(K), tok(C), tok(K), tok(V), tok(K),
-                  pl.BlockSpec((None, K, 1), lambda z, n: (z, n, 0))],
+                  tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],
         out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
         out_shape=[jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),
                    jax.ShapeDtypeStruct((Z, Tp, V), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),

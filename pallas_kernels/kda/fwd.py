@@ -107,12 +107,9 @@ def pair_scores(q, k, q_ref, k_ref, g, G):
     C = g.shape[0]
     p = jnp.zeros((C, C), jnp.float32)
     a = jnp.zeros((C, C), jnp.float32)
-    r_idx = _iota((C, 1), 0)
     for i0 in range(SUB, C, SUB):
-        ref = _row(G, i0)
-        rows = (r_idx >= i0) & (r_idx < i0 + SUB)
-        row_f = jnp.where(rows, jnp.exp(jnp.minimum(G - ref, 0.0)), 0.0)
-        col_k = jnp.where(r_idx < i0, k * jnp.exp(jnp.minimum(ref - G, 0.0)), 0.0)
+        row_f, col_f = offdiag_factors(G, i0)
+        col_k = k * col_f
         p = p + dot_nt(q * row_f, col_k)
         a = a + dot_nt(k * row_f, col_k)
     for i0 in range(0, C, SUB):
@@ -121,6 +118,27 @@ def pair_scores(q, k, q_ref, k_ref, g, G):
         p = p + dot_nt(dot(sel, b_q), sel)
         a = a + dot_nt(dot(sel, b_k), sel)
     return p, a
+
+
+def offdiag_factors(G, i0):
+    """The sub-chunk factorisation through the first token r = i0 of sub-chunk I:
+    (e^{G_i−G_r} on rows i of I, else 0; e^{G_r−G_j} on rows j < r, else 0), [C, K] each."""
+    C = G.shape[0]
+    r_idx = _iota((C, 1), 0)
+    ref = _row(G, i0)
+    rows = (r_idx >= i0) & (r_idx < i0 + SUB)
+    row_f = jnp.where(rows, jnp.exp(jnp.minimum(G - ref, 0.0)), 0.0)
+    col_f = jnp.where(r_idx < i0, jnp.exp(jnp.minimum(ref - G, 0.0)), 0.0)
+    return row_f, col_f
+
+
+def chunk_specs(C, heads):
+    """BlockSpecs on the (Z, N) grid: per-token blocks [C, d] of a [Z, Tp, d] array, per-batch
+    mask blocks of a [B, Tp, d] array, and the per-chunk decay column [K, 1]."""
+    tok = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (z, n, 0))  # noqa: E731
+    per_b = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (jax.lax.div(z, heads), n, 0))  # noqa: E731
+    dec = lambda K: pl.BlockSpec((None, K, 1), lambda z, n: (z, n, 0))  # noqa: E731
+    return tok, per_b, dec
 
 
 def selector(C, i0):
@@ -179,15 +197,13 @@ def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_si
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads
     N = Tp // C
-    tok = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (z, n, 0))  # noqa: E731
-    per_b = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (jax.lax.div(z, H), n, 0))  # noqa: E731
+    tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
     return pl.pallas_call(
         _terms_kernel,
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1)],
-        out_specs=[tok(K), tok(C), tok(K), tok(V), tok(K),
-                   pl.BlockSpec((None, K, 1), lambda z, n: (z, n, 0))],
+        out_specs=[tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],
         out_shape=[jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, Tp, C), f32),
                    jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, Tp, V), f32),
                    jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, N * K, 1), f32)],
