@@ -4,14 +4,15 @@
 #
 #   launch/tpu_pod.sh TPU_NAME ZONE CONFIG.yaml MESH [key=value ...]
 #   e.g. launch/tpu_pod.sh k3-v5p-1024 us-east5-a configs/k3.yaml v5p-1024 \
-#          init_from=gs://BUCKET/k3-orbax output_dir=gs://BUCKET/runs run_name=k3-ft steps=1000
+#          init_from=/gcs/BUCKET/k3-orbax output_dir=gs://BUCKET/runs run_name=k3-ft steps=1000
 #
 # Every host runs the same command; `k3jax train` calls jax.distributed.initialize(), which
 # on TPU VMs finds the coordinator and its process id from the TPU metadata by itself.
-# Outputs and checkpoints must be on gs:// (every host writes its own shards).
+# output_dir must be shared by all hosts (gs://: every host writes its own shards);
+# init_from is a local path every host reads, e.g. the bucket mounted with gcsfuse.
 set -euo pipefail
 if [ $# -lt 4 ]; then
-  sed -n 2,12p "$0"; exit 2
+  sed -n 2,13p "$0"; exit 2
 fi
 TPU_NAME=$1 ZONE=$2 CONFIG=$3 MESH=$4; shift 4
 PROJECT=${PROJECT:-$(gcloud config get-value project 2>/dev/null)}
@@ -24,7 +25,7 @@ tar -C "$REPO" --exclude=.git --exclude=runs --exclude='*.egg-info' -czf /tmp/k3
 "${TPU[@]}" scp /tmp/k3jax-src.tgz "$TPU_NAME":/tmp/k3jax-src.tgz --worker=all
 "${TPU[@]}" ssh "$TPU_NAME" --worker=all --command "
   set -e; mkdir -p ~/$REMOTE_DIR && tar -C ~/$REMOTE_DIR -xzf /tmp/k3jax-src.tgz
-  cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' -e . 2>&1 | tail -2"
+  cd ~/$REMOTE_DIR && python3 -m pip install -q -U 'jax[tpu]' -e '.[gcs]' 2>&1 | tail -2"
 
 # 2. the job, on all workers at once; process 0's log is the one to read
 ARGS=$(printf ' %q' "$@")

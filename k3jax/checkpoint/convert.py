@@ -35,6 +35,7 @@ import numpy as np
 
 from k3jax.checkpoint.hf_params import (FLOAT_DTYPES, CheckpointMismatch, check_names, check_stored,
                                         mismatch_message, to_tree_layout)
+from k3jax.checkpoint.load import local_path
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.checkpoint.orbax_io import TreeWriter
 from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
@@ -163,7 +164,7 @@ def _units(entries):
 def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
     """Convert; returns the manifest. Raises before writing anything if names, dtypes or
     shapes do not match the config; refuses to overwrite an existing OUT_DIR."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_dir, out_dir = local_path(hf_dir, "HF checkpoint"), local_path(out_dir, "output")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
     k3 = _load_config(hf_dir)

@@ -32,6 +32,7 @@ import numpy as np
 
 from k3jax.checkpoint.convert import FORMAT, MANIFEST
 from k3jax.checkpoint.hf_params import from_tree_layout
+from k3jax.checkpoint.load import local_path
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
 from k3jax.checkpoint.orbax_io import open_leaf, stored_leaves
@@ -122,7 +123,7 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = False) -> dict:
     """Write HF_DIR; returns the index dict's metadata plus counts."""
-    ckpt_dir, hf_dir = Path(ckpt_dir), Path(hf_dir)
+    ckpt_dir, hf_dir = local_path(ckpt_dir, "checkpoint"), local_path(hf_dir, "output")
     manifest_path = ckpt_dir / MANIFEST
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a finished `k3jax convert` output)")

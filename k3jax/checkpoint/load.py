@@ -7,7 +7,18 @@ from pathlib import Path
 
 from k3jax.config import K3Config, RuntimeOptions
 
-__all__ = ["load_model_dir", "is_orbax_dir", "load_config"]
+__all__ = ["load_model_dir", "is_orbax_dir", "load_config", "local_path"]
+
+
+def local_path(path, what: str) -> Path:
+    """`path` as a local Path. Checkpoint directories are read and written with local file
+    APIs (pathlib, tensorstore's file driver): a URL would silently become a local
+    `gs:/...` directory, so it is refused with the way round it."""
+    if "://" in str(path):
+        raise ValueError(f"{what} {path}: checkpoint directories must be local paths; mount the bucket "
+                         f"(gcsfuse, e.g. /gcs/BUCKET/...) or use a shared filesystem. "
+                         f"Training run directories (output_dir=) may be gs:// URLs.")
+    return Path(path)
 
 
 def is_orbax_dir(path) -> bool:
@@ -43,7 +54,7 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     they are replicated over the same mesh (0.45 B params in K3). Without, or when the
     checkpoint holds no vision weights, params are the text tree alone.
     """
-    path = Path(path)
+    path = local_path(path, "checkpoint")
     k3 = load_config(path, runtime)
     if is_orbax_dir(path):
         from k3jax.checkpoint.convert import FORMAT, MANIFEST

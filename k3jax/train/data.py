@@ -18,34 +18,36 @@ a resumed run sees exactly the batches the uninterrupted one would have.
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
+from etils import epath
 
 
 def read_documents(path: str, text_key: str = "text") -> list[str]:
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith((".txt", ".jsonl")))
+    """Documents from a file or a directory, local or a URL (gs://…, read through etils.epath)."""
+    p = epath.Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.name.endswith((".txt", ".jsonl")))
         if not files:
             raise FileNotFoundError(f"{path}: no .txt or .jsonl files")
         return [d for f in files for d in read_documents(f, text_key)]
-    if not os.path.exists(path):
+    if not p.exists():
         raise FileNotFoundError(f"dataset {path!r} not found")
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                    raise ValueError(f"{path}:{n}: expected an object with a string {text_key!r} field")
-                docs.append(obj[text_key])
-        else:
-            docs = [p.strip() for p in f.read().split("\n\n")]
+    text = p.read_text(encoding="utf-8")
+    if str(path).endswith(".jsonl"):
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                raise ValueError(f"{path}:{n}: expected an object with a string {text_key!r} field")
+            docs.append(obj[text_key])
+    else:
+        docs = [d.strip() for d in text.split("\n\n")]
     docs = [d for d in docs if d]
     if not docs:
         raise ValueError(f"{path}: no documents")

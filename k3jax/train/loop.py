@@ -1,7 +1,8 @@
 """The run: config → run dir → params → (resume) → steps with logging and checkpoints → sample.
 
-Run directory `{output_dir}/{run_name}`: `config.yaml` (resolved model + train config),
-`checkpoints/` (Orbax, async, `keep` newest), `metrics.jsonl` (one object per logged step).
+Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://bucket/runs
+(rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
+`keep` newest), `metrics.jsonl` (one object per logged step).
 
 Failure handling: SIGTERM (preemption) finishes the current step, saves, and returns 0; a
 non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
@@ -12,7 +13,6 @@ step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from k3jax.config import CONFIG_DIR, load_k3
-from k3jax.train import config as tconf
+from k3jax.train import config as tconf, rundir
 from k3jax.train.data import PackedDataset, read_documents
 
 
@@ -128,21 +128,11 @@ def _barrier(name: str):
 
 def _data_path(path: str) -> str:
     """Relative dataset paths resolve against the working directory, then the repo root
-    (so `k3jax train configs/toy.yaml` finds the shipped corpus from anywhere)."""
-    if os.path.isabs(path) or os.path.exists(path):
+    (so `k3jax train configs/toy.yaml` finds the shipped corpus from anywhere); URLs as given."""
+    if rundir.is_url(path) or os.path.isabs(path) or os.path.exists(path):
         return path
     in_repo = os.path.join(os.path.dirname(CONFIG_DIR), path)
     return in_repo if os.path.exists(in_repo) else path
-
-
-def _truncate_metrics(path: str, last_step: int):
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
 
 
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
@@ -170,12 +160,10 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     cfg = k3.text.with_runtime(**tc["runtime"])
     if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
-    run_dir = os.path.abspath(os.path.join(tc["output_dir"], str(tc["run_name"])))
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
+    rundir.make_dirs(run_dir)
     if main:
-        with open(os.path.join(run_dir, "config.yaml.tmp"), "w") as f:
-            yaml.safe_dump({**k3.to_hf(), "train": tc}, f, sort_keys=False)
-        os.replace(os.path.join(run_dir, "config.yaml.tmp"), os.path.join(run_dir, "config.yaml"))
+        rundir.write_text(f"{run_dir}/config.yaml", yaml.safe_dump({**k3.to_hf(), "train": tc}, sort_keys=False))
 
     d = tc["data"]
     tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
@@ -206,17 +194,11 @@ def _run(config_path: str, overrides, log, mesh) -> int:
 
     _barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
-    mgr = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"), options=opts)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
     if mgr.latest_step() is not None:
-        start = mgr.latest_step()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mgr.restore(start, args=ocp.args.StandardRestore(abstract))
-        if main:
-            _truncate_metrics(metrics_path, start)
-        log(f"resumed from step {start} ({run_dir}/checkpoints)")
-    elif main:
-        _truncate_metrics(metrics_path, 0)
+        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
+        log(f"resumed from step {mgr.latest_step()} ({run_dir}/checkpoints)")
     start = int(state.step)
     if start >= tc["steps"]:
         log(f"{run_dir} already holds step {start} >= steps={tc['steps']}: nothing to do "
@@ -242,7 +224,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     rc, last_loss, t_log, steps_since = 0, None, time.perf_counter(), 0
     first_loss = None
     try:
-        with open(metrics_path if main else os.devnull, "a") as mf:
+        with rundir.MetricsLog(f"{run_dir}/metrics.jsonl", keep_through=start, enabled=main) as mf:
             for s in range(start, tc["steps"]):
                 batch = place_batch(ds.batch(tc["seed"], s, d["batch_size"], d["grad_accum"]))
                 state, m = train_step(state, batch)
@@ -252,7 +234,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):
                     log(f"step {step}: non-finite loss {loss} / grad norm {gnorm}; stopping. "
                         f"Last good checkpoint: step {mgr.latest_step()}")
-                    mf.write(json.dumps({"step": step, "loss": None, "nonfinite": True}) + "\n")
+                    mf.write({"step": step, "loss": None, "nonfinite": True})
                     rc = 3
                     break
                 first_loss = loss if first_loss is None else first_loss
@@ -267,8 +249,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     if "load_max" in m:
                         rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])
                         rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
-                    mf.write(json.dumps(rec) + "\n")
-                    mf.flush()
+                    mf.write(rec)
                     bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
                            if "load_max" in rec else "")
                     bar.close() if bar.on else None
