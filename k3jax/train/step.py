@@ -113,7 +113,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
 
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
         if method:
             n_valid = jnp.sum(batch["segment_ids"] > 0)
             if method == "exact":
