@@ -75,6 +75,9 @@ class RuntimeOptions:
     kda_impl: str = "chunk"           # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
     kda_chunk_size: int = 64
     moe_dispatch: str = "ragged"      # 'dense' | 'ragged' | 'ep'
+    # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
+    # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
+    ep_capacity_factor: float = 0.0
     scan_layers: bool = True          # nn.scan over the repeated layer groups
     remat: str = "none"               # 'none' | 'full' | 'dots'
 
@@ -83,6 +86,7 @@ class RuntimeOptions:
         _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
                f"expected one of {MOE_DISPATCHES}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
+        _check(self.ep_capacity_factor >= 0, "ep_capacity_factor", self.ep_capacity_factor, "must be >= 0")
         _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
         for key in ("dtype", "param_dtype"):
             _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))

@@ -34,6 +34,7 @@ class PlanOptions:
     devices: int | None = None       # resolves a -1 axis in the preset
     hbm_gib: float | None = None
     moe_dispatch: str = "ep"
+    ep_capacity_factor: float = 0.0  # RuntimeOptions.ep_capacity_factor: 0 = dropless
     prefill_chunk: int = 2048        # infer: tokens per device per prefill step
 
 
@@ -137,13 +138,14 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     saved_per_token = {"full": carry * len(kinds),
                        "dots": sum(v["dots"] for v in per_layer) + carry * len(kinds),
                        "none": sum(v["all"] for v in per_layer) + carry * len(kinds)}[opt.remat]
-    # Dropless 'ep' sizes its exchange buffers for the worst case: one device may receive
-    # every pair of every peer (P × tokens × k rows), once as input and once as result
-    # (ragged_all_to_all, TPU/GPU; CPU's padded exchange also pads the send side).
+    # 'ep' receive buffers, once as input and once as result (ragged_all_to_all, TPU/GPU):
+    # dropless, one device may receive every pair of every peer (P × tokens × k rows); with
+    # a capacity factor c, c × tokens × k rows (layers/moe.py).
     P = sizes.get("expert", 1)
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
-        moe_buffer = 2 * P * tokens * cfg.num_experts_per_token * cfg.moe_hidden_size * width
+        rows_per_pair = min(P, opt.ep_capacity_factor) if opt.ep_capacity_factor else P
+        moe_buffer = 2 * rows_per_pair * tokens * cfg.num_experts_per_token * cfg.moe_hidden_size * width
     logits = 2 * tokens * cfg.vocab_size / _shards(rules, sizes, ("vocab",)) * 4   # fp32 logits + grad
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2)}

@@ -61,3 +61,14 @@ def test_presets_with_free_axis_need_a_device_count(capsys):
     assert "device count" in capsys.readouterr().err
     out = run_json(capsys, "toy", "--mesh", "fsdp", "--devices", "16", "--hbm-gib", "1")
     assert out["devices"] == 16 and out["fits"]
+
+
+def test_ep_capacity_sizes_the_moe_buffer(capsys):
+    """Dropless 'ep' holds expert-axis × the mean received pairs; a capacity factor c holds c ×.
+    v5p-1024 has an expert axis of 64: the buffer shrinks by 64 / c."""
+    dropless = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024")["detail"]["activations"]["moe_buffer"]
+    capped = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--ep-capacity", "1.25")
+    assert dropless / capped["detail"]["activations"]["moe_buffer"] == pytest.approx(64 / 1.25)
+    # a factor past the expert axis cannot hold more than every peer's pairs
+    huge = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--ep-capacity", "100")
+    assert huge["detail"]["activations"]["moe_buffer"] == dropless

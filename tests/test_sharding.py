@@ -169,6 +169,99 @@ def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
         assert rel(a, b) < TOL
 
 
+
+def _kept_pairs(idx, P, El, R):
+    """The documented capacity policy in NumPy: tokens split into P contiguous blocks (one
+    per device of an expert-only mesh); each device receives its experts' pairs packed in
+    sender order, each sender's pairs sorted by expert (stable), and keeps the first R."""
+    N, k = idx.shape
+    n = N // P
+    keep = np.zeros((N, k), bool)
+    used = np.zeros(P, int)
+    for p in range(P):                                   # senders in device order
+        flat = idx[p * n:(p + 1) * n].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        for q in range(P):
+            mine = [i for i in order if flat[i] // El == q]
+            take = mine[:max(0, R - used[q])]
+            used[q] += len(take)
+            for i in take:
+                keep[p * n + i // k, i % k] = True
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["padded", "emulated"])
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_ep_capacity_drops_exactly_the_overflow(monkeypatch, mode, factor):
+    """With ep_capacity_factor each device keeps ceil(c·n·k) received pairs, packed in sender
+    order; the dropped pairs contribute nothing. Values and gradients equal `dense` with the
+    dropped pairs' weights zeroed, the pairs chosen by an independent NumPy walk of the policy."""
+    monkeypatch.setattr(moe, "EP_A2A", mode)
+    P, E, H, F, k, N = 8, 16, 8, 8, 2, 64
+    cfg = load("toy").with_runtime(ep_capacity_factor=factor)
+    r = np.random.default_rng(2)
+    idx = np.stack([r.choice(E, k, replace=False) for _ in range(N)])
+    idx[r.random(N) < 0.5] = [1, 0]                      # half the tokens crowd device 0
+    keep = _kept_pairs(idx, P, E // P, int(np.ceil(factor * (N // P) * k)))
+    assert 0 < (~keep).sum() < keep.size                 # the overflow is real, not everything
+    z = jnp.asarray(r.normal(size=(N, H)), jnp.float32)
+    w = jnp.asarray(r.random((N, k)), jnp.float32)
+    w1, w3 = (jnp.asarray(r.normal(size=(E, H, F)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
+    idx = jnp.asarray(idx, jnp.int32)
+
+    def f(fn, mask, z, w, w1, w2, w3):
+        y = fn(cfg, z, idx, w * mask, w1, w2, w3)
+        return jnp.sum(jnp.sin(y)), y
+    grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
+    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense, jnp.asarray(keep, jnp.float32)))(z, w, w1, w2, w3)
+    mesh, rules = sharding.load_mesh("expert8")
+    with sharding.use_mesh(mesh, rules):
+        (_, y), g = jax.jit(grad(functools.partial(f, moe.experts_ep, 1.0)))(z, w, w1, w2, w3)
+    assert rel(y, y0) < TOL
+    for a, b in zip(g, g0):
+        assert rel(a, b) < TOL
+
+
+
+def test_train_step_reports_the_pairs_the_capacity_drops():
+    """The train step's `ep_dropped` is the fraction of routed pairs the capacity dropped,
+    summed over MoE layers: checked against the policy walked in NumPy on the router choices
+    each layer made (sown by the model); nothing is dropped once the capacity holds every
+    peer's pairs."""
+    from k3jax.train import config as tconf, muon, step as tstep
+    B, T = 8, 16
+    tokens, targets = probe_batch(load("toy"))
+    batch = {"tokens": tokens[None], "targets": targets[None], "segment_ids": np.ones((1, B, T), np.int32),
+             "loss_mask": np.ones((1, B, T), np.float32)}
+    tc = tconf.resolve({}, {"data": {"seq_len": T, "batch_size": B}, "balance": {"enabled": False}})
+    mesh, rules = sharding.load_mesh("expert8")
+    for factor in (0.5, 8.0):
+        cfg = load("toy", **RUNTIME, moe_dispatch="ep", ep_capacity_factor=factor)
+        with sharding.use_mesh(mesh, rules):
+            params = sharding.init_params_sharded(cfg, jax.random.PRNGKey(0), mesh, rules)
+            _, inter = jax.jit(lambda p: K3Model(cfg).apply({"params": p}, tokens, mutable=["intermediates"]))(params)
+            if factor < 1:   # one train step (the compile is the slow part of this test)
+                tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 10)
+                _, metrics = tstep.make_train_step(cfg, tc, tx, groups)(tstep.init_state(params, tx), batch)
+        E, k = cfg.num_experts, cfg.num_experts_per_token
+        sent = B * T // 8 * k                                   # pairs each device sends
+        R = min(8 * sent, int(np.ceil(factor * sent)))
+        expect, sown = 0, 0
+        for path, x in jax.tree_util.tree_leaves_with_path(inter):
+            name = jax.tree_util.keystr(path)
+            if "router_idx" in name:
+                for idx in np.asarray(x).reshape(-1, B * T, k):        # scanned layers stack
+                    expect += int((~_kept_pairs(idx, 8, E // 8, R)).sum())
+            if "ep_dropped" in name:
+                sown += int(np.sum(x))
+        layers = cfg.ffn_kinds.count("moe")
+        assert sown == expect
+        assert (expect > 0) == (factor < 1)
+        if factor < 1:
+            assert float(metrics["ep_dropped"]) == pytest.approx(expect / (B * T * k * layers))
+
+
 def test_every_preset_loads():
     for path in glob.glob(os.path.join(sharding.MESH_DIR, "*.yaml")):
         p = sharding.load_preset(path)

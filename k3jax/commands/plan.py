@@ -19,6 +19,8 @@ def register(sub):
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts as bf16 or as the checkpoint's MXFP4")
     p.add_argument("--devices", type=int, default=None, help="device count, for presets with a -1 axis")
+    p.add_argument("--ep-capacity", type=float, default=0.0,
+                   help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(fn=run)
 
@@ -44,7 +46,8 @@ def run(args) -> int:
     preset = load_preset(args.mesh)
     opt = PlanOptions(mode=args.mode, batch=args.batch, seq=args.seq, remat=args.remat,
                       optimizer=args.optimizer, param_dtype=args.param_dtype,
-                      expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib)
+                      expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib,
+                      ep_capacity_factor=args.ep_capacity)
     out = plan(k3.text, preset, opt, _total_params(args.config))
     if args.json:
         print(json.dumps(out))

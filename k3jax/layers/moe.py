@@ -4,7 +4,8 @@
 oracle); `ragged` sorts the (token, expert) pairs by expert and runs one grouped matmul
 per weight (`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) —
 dropless, no capacity factor; `ep` sends each pair to
-the device that owns its expert and runs the grouped matmuls there. All combine in fp32.
+the device that owns its expert and runs the grouped matmuls there, dropless by default or
+with a receive capacity (`RuntimeOptions.ep_capacity_factor`). All combine in fp32.
 """
 from __future__ import annotations
 
@@ -64,10 +65,13 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
 # ---------------------------------------------------------------------------------------
 # Expert parallelism
 # ---------------------------------------------------------------------------------------
-# Dropless means the buffers are sized for the worst case: every (token, slot) pair of a
-# device may route to one peer, and one device may receive every peer's pairs. The padded
-# exchange moves P × worst case rows; ragged_all_to_all moves only the real rows (same
-# receive layout). 'auto' picks ragged where XLA implements it (TPU, GPU), padded on CPU;
+# Dropless means the receive buffer is sized for the worst case: one device may receive
+# every peer's pairs, P × its own m = n·k. With `ep_capacity_factor` c > 0 it holds
+# R = ceil(c·m) rows instead: senders are packed in device order, and pairs past R are
+# dropped (their expert output is 0), the tail of the later senders' blocks first. Under
+# Quantile Balancing each device receives about m, so c ≈ 1.25 rarely drops anything.
+# The padded exchange moves P × m rows either way (CPU); ragged_all_to_all moves only the
+# real rows. 'auto' picks ragged where XLA implements it (TPU, GPU), padded on CPU;
 # K3JAX_EP_A2A=padded|ragged|emulated overrides ('emulated' = the ragged bookkeeping run
 # through a padded all_to_all, so CPU tests can check it).
 EP_A2A = os.environ.get("K3JAX_EP_A2A", "auto")
@@ -103,9 +107,11 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     m, H = n * k, z.shape[-1]
     P = jax.lax.axis_size("expert")
     El = w1.shape[0]                                    # experts on this device
-    me = jax.lax.axis_index("expert")
+    c = cfg.runtime.ep_capacity_factor
+    R = P * m if not c else min(P * m, max(1, math.ceil(c * m)))   # receive rows
 
-    # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El)
+    # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El);
+    #    padding tokens carry expert id P·El: sorted last, sent nowhere (bincount drops them)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
@@ -115,20 +121,27 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
     local_e = (e_sorted % El).astype(jnp.int32)
 
-    # 2. exchange: afterwards block p of the [P*m] receive buffer holds, from row 0, the
-    #    rows device p sent here; unused rows carry local expert id El (no expert)
+    # 2. exchange into the [R] receive buffer: sender p's first `accepted[p]` rows land at
+    #    offset[p] (senders packed in device order); unused rows carry local expert id El
+    recv_counts = jax.lax.all_to_all(counts, "expert", 0, 0, tiled=True)   # what each peer sends me
+    offset = jnp.minimum(jnp.cumsum(recv_counts) - recv_counts, R).astype(jnp.int32)
+    accepted = jnp.clip(R - offset, 0, recv_counts).astype(jnp.int32)
+    sent = jax.lax.all_to_all(accepted, "expert", 0, 0, tiled=True)       # how many of mine each kept
     if mode == "padded":
         pos = jnp.arange(m) - starts[dest]
-        send = jnp.zeros((P, m, H), z.dtype).at[dest, pos].set(rows)
-        send_e = jnp.full((P, m), El, jnp.int32).at[dest, pos].set(local_e)
-        recv = jax.lax.all_to_all(send, "expert", 0, 0).reshape(P * m, H)
-        recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0).reshape(P * m)
+        send = jnp.zeros((P, m, H), z.dtype).at[dest, pos].set(rows, mode="drop")
+        send_e = jnp.full((P, m), El, jnp.int32).at[dest, pos].set(local_e, mode="drop")
+        j = jnp.arange(m)[None, :]
+        slot = jnp.where(j < accepted[:, None], offset[:, None] + j, R).reshape(P * m)  # R: dropped
+        recv = jnp.zeros((R, H), z.dtype).at[slot].set(
+            jax.lax.all_to_all(send, "expert", 0, 0).reshape(P * m, H), mode="drop")
+        recv_e = jnp.full((R,), El, jnp.int32).at[slot].set(
+            jax.lax.all_to_all(send_e, "expert", 0, 0).reshape(P * m), mode="drop")
     else:
         a2a = _ragged_a2a(mode)
-        recv_counts = jax.lax.all_to_all(counts, "expert", 0, 0, tiled=True)
-        out_off = jnp.full((P,), me * m, jnp.int32)       # my block on every receiver
-        recv = a2a(rows, jnp.zeros((P * m, H), z.dtype), starts, counts, out_off, recv_counts, "expert")
-        recv_e = a2a(local_e, jnp.full((P * m,), El, jnp.int32), starts, counts, out_off, recv_counts, "expert")
+        where = jax.lax.all_to_all(offset, "expert", 0, 0, tiled=True)     # my block on each receiver
+        recv = a2a(rows, jnp.zeros((R, H), z.dtype), starts, sent, where, accepted, "expert")
+        recv_e = a2a(local_e, jnp.full((R,), El, jnp.int32), starts, sent, where, accepted, "expert")
 
     # 3. grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros
     order2 = jnp.argsort(recv_e, stable=True)
@@ -139,28 +152,31 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
     out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
 
-    # 4. return the results to their senders, in the sender's sorted-pair order
+    # 4. return the results to their senders, in the sender's sorted-pair order; a dropped
+    #    pair gets zeros
     if mode == "padded":
-        back = jax.lax.all_to_all(out.reshape(P, m, H), "expert", 0, 0)
-        got = back[dest, pos]
+        full = jnp.where((slot < R)[:, None], out[jnp.minimum(slot, R - 1)], 0).reshape(P, m, H)
+        got = jnp.where((dest < P)[:, None], jax.lax.all_to_all(full, "expert", 0, 0)[dest, pos], 0)
     else:
         their_starts = jax.lax.all_to_all(starts, "expert", 0, 0, tiled=True)  # where each sender wants it
-        got = _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), jnp.arange(P, dtype=jnp.int32) * m,
-                                recv_counts, their_starts, counts, "expert")
+        got = _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), offset, accepted, their_starts, sent, "expert")
     pairs = jnp.zeros_like(got).at[order].set(got).reshape(n, k, H)
     y = jnp.einsum("nkd,nk->nd", pairs.astype(jnp.float32), w, precision=HIGHEST)
     # with the expert hidden split over `tensor`, each shard holds a partial w2 product
-    return jax.lax.psum(y, tensor) if tensor else y
+    dropped = (jnp.sum(recv_counts) - jnp.sum(accepted)).reshape(1)
+    return (jax.lax.psum(y, tensor) if tensor else y), dropped
 
 
-def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3):
+def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = False):
     """shard_map over the context mesh: tokens split over every batch-like axis (and always
     over `expert`), experts over `expert`, their hidden over `tensor`. Falls back to
-    `ragged` when there is no mesh or its expert axis is 1."""
+    `ragged` when there is no mesh or its expert axis is 1. `with_dropped`: also return
+    the number of (token, expert) pairs the receive capacity dropped (int32 scalar)."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     if sizes.get("expert", 1) == 1:
-        return experts_ragged(cfg, z, idx, w, w1, w2, w3)
+        y = experts_ragged(cfg, z, idx, w, w1, w2, w3)
+        return (y, jnp.zeros((), jnp.int32)) if with_dropped else y
     E, F = w1.shape[0], w1.shape[-1]
     if E % sizes["expert"]:
         raise ValueError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
@@ -179,16 +195,17 @@ def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     tok = tuple(b for b in tok if sizes[b] > 1)
     shards = math.prod(sizes[b] for b in tok)
     n = z.shape[0]
-    pad = -n % shards                      # padded tokens carry weight 0 and are cut off below
+    pad = -n % shards      # padded tokens route nowhere (expert id E), carry weight 0, are cut off
     if pad:
         z = jnp.pad(z, ((0, pad), (0, 0)))
-        idx = jnp.pad(idx, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=E)
         w = jnp.pad(w, ((0, pad), (0, 0)))
     ts = PartitionSpec(tok)
     wspec_in, wspec_out = PartitionSpec("expert", None, tensor), PartitionSpec("expert", tensor, None)
     fn = jax.shard_map(functools.partial(_ep_local, cfg, _a2a_mode(), tensor),
-                       in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=ts)
-    return fn(z, idx, w, w1, w2, w3)[:n]
+                       in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=(ts, ts))
+    y, dropped = fn(z, idx, w, w1, w2, w3)       # dropped: one count per token shard
+    return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
 
 
 DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep}
@@ -218,7 +235,12 @@ class StableLatentMoE(nn.Module):
         w1 = self.param("w1", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
         w3 = self.param("w3", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
         w2 = self.param("w2", matrix_init(("expert", "mlp", "latent")), (E, F, H), pdt).astype(cdt)
-        y = DISPATCH[cfg.runtime.moe_dispatch](cfg, z.astype(cdt), idx, w, w1, w2, w3).astype(cdt)
+        if cfg.runtime.moe_dispatch == "ep" and cfg.runtime.ep_capacity_factor:
+            y, dropped = experts_ep(cfg, z.astype(cdt), idx, w, w1, w2, w3, with_dropped=True)
+            self.sow("intermediates", "ep_dropped", dropped)   # pairs the capacity dropped
+        else:
+            y = DISPATCH[cfg.runtime.moe_dispatch](cfg, z.astype(cdt), idx, w, w1, w2, w3)
+        y = y.astype(cdt)
         if cfg.use_latent_moe:
             if cfg.latent_moe_use_norm:
                 y = RMSNorm(cfg.rms_norm_eps, "latent", name="routed_expert_norm")(y)

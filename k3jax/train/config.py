@@ -12,7 +12,9 @@ start), sample_prompt, sample_tokens.
              freeze (globs on param paths, e.g. '*/w[123]', or 're:REGEX')
   balance:   enabled, method ('auto' | 'exact' | 'hist'), bins, sweeps,
              exact_max_elements (auto picks exact while tokens·experts is at most this)
-  runtime:   dtype, param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, moe_dispatch
+  runtime:   dtype, param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, moe_dispatch,
+             ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
+             pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`)
 
 Overrides: `steps=200`, `optimizer.lr=1e-3`, `data.path=my.jsonl`; values parse as YAML.
 Unknown keys are errors that name the key.
@@ -38,7 +40,7 @@ DEFAULTS = {
     "balance": {"enabled": True, "method": "auto", "bins": 1000, "sweeps": 6,
                 "exact_max_elements": 1 << 22},
     "runtime": {"dtype": "float32", "param_dtype": "float32", "remat": "none",
-                "kda_impl": "chunk", "moe_dispatch": "ragged"},
+                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0},
 }
 
 

@@ -249,9 +249,12 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     if "load_max" in m:
                         rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])
                         rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
+                    if "ep_dropped" in m:
+                        rec["ep_dropped"] = float(m["ep_dropped"])
                     mf.write(rec)
                     bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
                            if "load_max" in rec else "")
+                    bal += f" | ep dropped {100 * rec['ep_dropped']:.2f}%" if "ep_dropped" in rec else ""
                     bar.close() if bar.on else None
                     note = " (includes compile)" if step == start + 1 and not precompiled else ""
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "

@@ -67,6 +67,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     method = balance_method(cfg, tc)
     k = cfg.num_experts_per_token
     bins, sweeps = int(tc["balance"]["bins"]), int(tc["balance"]["sweeps"])
+    moe_layers = cfg.ffn_kinds.count("moe") if cfg.num_experts else 0
     # Static mask: frozen params and router biases get exact zeros, not computed gradients.
     no_grad = jax.tree.map(lambda g: g in ("frozen", "router_bias"), groups)
 
@@ -86,6 +87,8 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         valid = (mb["segment_ids"] > 0).reshape(-1)
         stats = (balancing.step_stats(params, jax.lax.stop_gradient(inter), k, valid, method or "exact", bins)
                  if method else {})
+        stats["ep_dropped"] = sum((jnp.sum(x) for p, x in jax.tree_util.tree_leaves_with_path(inter)
+                                   if "ep_dropped" in jax.tree_util.keystr(p)), jnp.zeros((), jnp.int32))
         return loss_sum, count, grads, stats, valid
 
     def train_step(state: TrainState, batch, grids=None):
@@ -93,8 +96,9 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, mb):
-            loss_sum, count, grads, hist = carry
+            loss_sum, count, grads, hist, dropped = carry
             l, c, g, stats, valid = micro(params, mb, grids)
+            dropped = dropped + stats.pop("ep_dropped")
             grads = jax.tree.map(jnp.add, grads, g)
             if method == "hist":   # histograms and loads add up across microbatches
                 hist = jax.tree.map(jnp.add, hist, stats)
@@ -102,11 +106,11 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
             else:                  # exact: keep this microbatch's scores for the global solve
                 hist = jax.tree.map(jnp.add, hist, {p: {"load": s["load"]} for p, s in stats.items()})
                 out = ({p: s["stat"] for p, s in stats.items()}, valid)
-            return (loss_sum + l, count + c, grads, hist), out
+            return (loss_sum + l, count + c, grads, hist, dropped), out
 
         hist0 = balancing.accumulator_zeros(params, method, bins) if method else {}
-        (loss_sum, count, grads, agg), per_mb = jax.lax.scan(
-            body, (jnp.zeros(()), jnp.zeros(()), zeros, hist0), batch)
+        (loss_sum, count, grads, agg, dropped), per_mb = jax.lax.scan(
+            body, (jnp.zeros(()), jnp.zeros(()), zeros, hist0, jnp.zeros((), jnp.int32)), batch)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
@@ -114,6 +118,10 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        if cfg.runtime.moe_dispatch == "ep" and cfg.runtime.ep_capacity_factor:
+            # (token, expert) pairs the 'ep' receive capacity dropped, over all routed pairs
+            pairs = batch["tokens"].size * k * moe_layers
+            metrics["ep_dropped"] = dropped.astype(jnp.float32) / max(pairs, 1)
         if method:
             n_valid = jnp.sum(batch["segment_ids"] > 0)
             if method == "exact":
