@@ -144,8 +144,9 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     P = sizes.get("expert", 1)
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
-        rows_per_pair = min(P, opt.ep_capacity_factor) if opt.ep_capacity_factor else P
-        moe_buffer = 2 * rows_per_pair * tokens * cfg.num_experts_per_token * cfg.moe_hidden_size * width
+        from k3jax.layers.moe import ep_receive_rows
+        rows = ep_receive_rows(tokens * cfg.num_experts_per_token, P, opt.ep_capacity_factor)
+        moe_buffer = 2 * rows * cfg.moe_hidden_size * width
     logits = 2 * tokens * cfg.vocab_size / _shards(rules, sizes, ("vocab",)) * 4   # fp32 logits + grad
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2)}

@@ -77,6 +77,19 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
 EP_A2A = os.environ.get("K3JAX_EP_A2A", "auto")
 
 
+def ep_receive_rows(sent, expert_shards: int, factor: float):
+    """Rows of a device's 'ep' receive buffer when each device sends `sent` pairs: every
+    peer's pairs (dropless, factor 0), else ceil(factor · sent), never more than dropless."""
+    if not factor:
+        return expert_shards * sent
+    return min(expert_shards * sent, max(1, math.ceil(factor * sent)))
+
+
+def drops_pairs(cfg: ModelConfig) -> bool:
+    """Whether this config's MoE may drop pairs (an 'ep' receive capacity is set)."""
+    return cfg.runtime.moe_dispatch == "ep" and bool(cfg.runtime.ep_capacity_factor)
+
+
 def _a2a_mode() -> str:
     if EP_A2A != "auto":
         return EP_A2A
@@ -107,8 +120,7 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     m, H = n * k, z.shape[-1]
     P = jax.lax.axis_size("expert")
     El = w1.shape[0]                                    # experts on this device
-    c = cfg.runtime.ep_capacity_factor
-    R = P * m if not c else min(P * m, max(1, math.ceil(c * m)))   # receive rows
+    R = ep_receive_rows(m, P, cfg.runtime.ep_capacity_factor)
 
     # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El);
     #    padding tokens carry expert id P·El: sorted last, sent nowhere (bincount drops them)
@@ -235,7 +247,7 @@ class StableLatentMoE(nn.Module):
         w1 = self.param("w1", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
         w3 = self.param("w3", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
         w2 = self.param("w2", matrix_init(("expert", "mlp", "latent")), (E, F, H), pdt).astype(cdt)
-        if cfg.runtime.moe_dispatch == "ep" and cfg.runtime.ep_capacity_factor:
+        if drops_pairs(cfg):
             y, dropped = experts_ep(cfg, z.astype(cdt), idx, w, w1, w2, w3, with_dropped=True)
             self.sow("intermediates", "ep_dropped", dropped)   # pairs the capacity dropped
         else:

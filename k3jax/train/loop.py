@@ -195,10 +195,11 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     _barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
-    if mgr.latest_step() is not None:
+    latest = mgr.latest_step()
+    if latest is not None:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mgr.restore(mgr.latest_step(), args=ocp.args.StandardRestore(abstract))
-        log(f"resumed from step {mgr.latest_step()} ({run_dir}/checkpoints)")
+        state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        log(f"resumed from step {latest} ({run_dir}/checkpoints)")
     start = int(state.step)
     if start >= tc["steps"]:
         log(f"{run_dir} already holds step {start} >= steps={tc['steps']}: nothing to do "

@@ -26,6 +26,7 @@ import optax
 from flax import struct
 
 from k3jax.config import ModelConfig, VisionConfig
+from k3jax.layers.moe import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.model import InputError, K3Model
 from k3jax.train import balancing
@@ -87,9 +88,9 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         valid = (mb["segment_ids"] > 0).reshape(-1)
         stats = (balancing.step_stats(params, jax.lax.stop_gradient(inter), k, valid, method or "exact", bins)
                  if method else {})
-        stats["ep_dropped"] = sum((jnp.sum(x) for p, x in jax.tree_util.tree_leaves_with_path(inter)
-                                   if "ep_dropped" in jax.tree_util.keystr(p)), jnp.zeros((), jnp.int32))
-        return loss_sum, count, grads, stats, valid
+        dropped = sum((jnp.sum(x) for p, x in jax.tree_util.tree_leaves_with_path(inter)
+                       if "ep_dropped" in jax.tree_util.keystr(p)), jnp.zeros((), jnp.int32))
+        return loss_sum, count, grads, stats, valid, dropped
 
     def train_step(state: TrainState, batch, grids=None):
         params = state.params
@@ -97,8 +98,8 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
 
         def body(carry, mb):
             loss_sum, count, grads, hist, dropped = carry
-            l, c, g, stats, valid = micro(params, mb, grids)
-            dropped = dropped + stats.pop("ep_dropped")
+            l, c, g, stats, valid, d = micro(params, mb, grids)
+            dropped = dropped + d
             grads = jax.tree.map(jnp.add, grads, g)
             if method == "hist":   # histograms and loads add up across microbatches
                 hist = jax.tree.map(jnp.add, hist, stats)
@@ -118,7 +119,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
-        if cfg.runtime.moe_dispatch == "ep" and cfg.runtime.ep_capacity_factor:
+        if drops_pairs(cfg):
             # (token, expert) pairs the 'ep' receive capacity dropped, over all routed pairs
             pairs = batch["tokens"].size * k * moe_layers
             metrics["ep_dropped"] = dropped.astype(jnp.float32) / max(pairs, 1)
