@@ -42,12 +42,13 @@ def _outputs_and_grads(x, h0, seg, r_o, r_s, impl, chunk_size):
     return (o, s) + grads
 
 
-def _check_against_recurrent(impl, T, H, K, C, gate, use_h0, use_seg, B=2):
-    x = make_inputs(T * 3 + K + H, B, T, H, K, gate=gate)
+def _check_against_recurrent(impl, T, H, K, C, gate, use_h0, use_seg, B=2, V=None):
+    V = K if V is None else V
+    x = make_inputs(T * 3 + K + H, B, T, H, K, V=V, gate=gate)
     # dh0 is checked in every case: without an initial state the oracle starts from zeros.
-    h0 = make_state(T, B, H, K, K) if use_h0 else np.zeros((B, H, K, K), np.float32)
+    h0 = make_state(T, B, H, K, V) if use_h0 else np.zeros((B, H, K, V), np.float32)
     seg = make_segments(T, B, T, C) if use_seg else None
-    r_o, r_s = _cotangents(B, T, H, K, K)
+    r_o, r_s = _cotangents(B, T, H, K, V)
     ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
     got = _outputs_and_grads(x, h0, seg, r_o, r_s, impl, C)
     for name, a, b in zip(NAMES, got, ref):
@@ -132,13 +133,16 @@ def test_pallas_gpu_layout_matches_recurrent():
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
-def test_pallas_rejects_unsupported_shapes():
+def test_pallas_pads_other_head_dims():
+    """K = 12 and V = 40 run zero-padded to the kernels' 16 and 64; the pads must be exact
+    in every output and gradient."""
+    _check_against_recurrent("pallas", 40, 2, 12, 16, "softplus", True, True, B=1, V=40)
+
+
+def test_pallas_rejects_unsupported_chunk_size():
     x = make_inputs(0, 1, 8, 1, 16)
     with pytest.raises(ValueError, match="chunk_size"):
         kda(**x, impl="pallas", chunk_size=24)
-    y = make_inputs(0, 1, 8, 1, 12)
-    with pytest.raises(ValueError, match="head dim K=12"):
-        kda(**y, impl="pallas", chunk_size=16)
 
 
 # ---------------------------------------------------------------------------------------

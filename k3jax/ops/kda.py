@@ -108,8 +108,8 @@ def kda(
         the id differs from the previous token's.
       impl: "recurrent" (oracle), "chunk", "assoc" or "pallas".
       chunk_size: tokens per chunk for the chunked impls; T need not be a multiple of it.
-        "pallas" needs a power of two >= 16 here and K, V powers of two >= 16 (Triton
-        block shapes, 16-wide sub-chunks).
+        "pallas" needs a power of two >= 16 here; it runs other head dims zero-padded
+        to the next power of two >= 16 (exact, at the padded size's cost).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).

@@ -125,8 +125,21 @@ def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", 
         raise ValueError(f"kda(impl='pallas'): chunk_size must be a power of two and a multiple "
                          f"of {SUB}, got {chunk_size}")
     K, V = q.shape[-1], v.shape[-1]
-    for name, d in (("K", K), ("V", V)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"kda(impl='pallas'): head dim {name}={d} must be a power of two >= 16")
+    Kp, Vp = _kernel_dim(K), _kernel_dim(V)
+    if (Kp, Vp) != (K, V):
+        # Zero channels are exact: a zero k column never writes the state, a zero q column
+        # never reads it, g = 0 keeps the (zero) padded rows as they are, and a zero v
+        # column stays zero in the state and the output. Gradients flow through the pads.
+        pad = lambda x, d, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1 - d) + [(0, n)] + [(0, 0)] * d)  # noqa: E731
+        q, k, g = (pad(x, 0, Kp - K) for x in (q, k, g))
+        v = pad(v, 0, Vp - V)
+        initial_state = pad(pad(initial_state, 0, Vp - V), 1, Kp - K)
     reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
-    return _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout)
+    o, h = _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout)
+    return o[..., :V], h[..., :K, :V]
+
+
+def _kernel_dim(d):
+    """The head dim the kernels run at: the next power of two, at least 16 (Triton block
+    shapes and the 16-wide sub-chunks want both)."""
+    return max(16, 1 << (d - 1).bit_length())
