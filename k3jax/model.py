@@ -20,7 +20,7 @@ from flax import linen as nn
 
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import AttnRes, push_block
-from k3jax.layers.common import compute_dtype, constrain, dense, logical, param_dtype
+from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
 from k3jax.layers.mla import GatedMLA
 from k3jax.layers.mlp import GatedMLP
@@ -173,7 +173,7 @@ class K3Model(nn.Module):
         cfg = self.cfg
         validate_inputs(cfg, tokens, segment_ids)
         plan = layer_plan(cfg)
-        emb = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
+        emb = TokenEmbed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
                        embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")),
                        name="embed_tokens")
         h = emb(tokens)

@@ -40,3 +40,21 @@ def dense(cfg: ModelConfig, features: int, axes: tuple[str, str], name: str,
 def constrain(x, axes: tuple[str | None, ...]):
     """Activation sharding hint by logical axes; a no-op outside a mesh with rules."""
     return nn.with_logical_constraint(x, axes)
+
+
+class TokenEmbed(nn.Embed):
+    """nn.Embed whose lookup reads the table gathered whole along `embed`.
+
+    The table is sharded along `embed` (ZeRO-3) while tokens are sharded along `batch`. A
+    plain lookup leaves the backward's scatter-add to move the batch-sharded cotangent
+    onto the embed-sharded table, which XLA can only do by replicating the whole
+    [B, T, D] cotangent on every device. Gathering the (compute-dtype) table first makes
+    the backward a local scatter-add whose sum over the batch shards reduces onto the
+    table's sharding, like every other weight gradient.
+    """
+
+    def __call__(self, inputs):
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"token ids must be integers, got {inputs.dtype}")
+        (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+        return jnp.take(constrain(table, ("vocab", None)), inputs, axis=0)
