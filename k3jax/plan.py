@@ -147,11 +147,18 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
         from k3jax.layers.moe import ep_receive_rows
         rows = ep_receive_rows(tokens * cfg.num_experts_per_token, P, opt.ep_capacity_factor)
         moe_buffer = 2 * rows * cfg.moe_hidden_size * width
-    logits = 2 * tokens * cfg.vocab_size / _shards(rules, sizes, ("vocab",)) * 4   # fp32 logits + grad
+    vocab_local = cfg.vocab_size / _shards(rules, sizes, ("vocab",))
+    logits = 2 * tokens * vocab_local * 4   # fp32 logits + grad
+    # TokenEmbed gathers the embed-sharded table for the lookup, and in training the lookup's
+    # backward scatter-adds into a whole fp32 table before it reduces onto the shards.
+    embed_table = 0
+    if _shards(rules, sizes, ("embed",)) > 1:
+        embed_table = vocab_local * cfg.hidden_size * (width + (4 if opt.mode == "train" else 0))
     if opt.mode == "infer":
-        return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2)}
+        return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2),
+                "embed_table": int(embed_table)}
     return {"saved": int(saved_per_token * tokens * width), "layer_peak": int(peak_layer),
-            "moe_buffer": int(moe_buffer), "logits": int(logits)}
+            "moe_buffer": int(moe_buffer), "logits": int(logits), "embed_table": int(embed_table)}
 
 
 def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:

@@ -72,3 +72,17 @@ def test_ep_capacity_sizes_the_moe_buffer(capsys):
     # a factor past the expert axis cannot hold more than every peer's pairs
     huge = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--ep-capacity", "100")
     assert huge["detail"]["activations"]["moe_buffer"] == dropless
+
+
+def test_gathered_embedding_table_is_counted():
+    """The lookup reads the table gathered along embed (layers/common.TokenEmbed); training
+    adds the backward's whole fp32 table before it reduces onto the shards."""
+    cfg = load("toy")
+    V, D = cfg.vocab_size, cfg.hidden_size
+    opts = dict(batch=8, seq=64, param_dtype="bfloat16")
+    act = lambda mesh, mode: plan(cfg, load_preset(mesh), PlanOptions(mode=mode, **opts), 1)["detail"]["activations"]  # noqa: E731
+    assert act("data2_fsdp2_expert2", "train")["embed_table"] == V * D * (2 + 4)
+    assert act("data2_fsdp2_expert2", "infer")["embed_table"] == V * D * 2
+    assert act("data8", "train")["embed_table"] == 0        # embed unsharded: nothing gathered
+    # vocab over tensor: each device gathers only its vocab rows
+    assert act("fsdp2_expert2_tensor2", "train")["embed_table"] == V // 2 * D * (2 + 4)
