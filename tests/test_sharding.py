@@ -18,7 +18,7 @@ from k3jax.config import ConfigError, load
 from k3jax.layers import moe
 from k3jax.model import K3Model, init_params
 
-MESHES = ["data8", "data2_fsdp2_expert2", "expert8", "fsdp2_expert2_tensor2"]
+MESHES = ["data8", "data2_fsdp2_expert2", "expert8", "fsdp2_expert2_tensor2", "data2_context2_expert2"]
 TOL = 1e-5
 # KDA's implementation is not what these tests are about, and the per-token recurrence
 # compiles far faster on CPU than the chunked form at this length.
@@ -305,3 +305,42 @@ def test_forward_command_on_a_mesh(capsys):
                  "--kda-impl", "recurrent", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "'expert': 8" in out and "moe dispatch ep" in out and "finite=True" in out, out
+
+
+def test_kda_layer_runs_context_parallel_with_documents(monkeypatch):
+    """Under a mesh whose rules shard `length` over `context`, the KDA layer runs the
+    context-parallel recurrence (each device its own slice, only chunk maps exchanged), and
+    its output and gradients equal the unsharded layer's — with documents starting inside a
+    device's slice and exactly at the device edge."""
+    from k3jax.layers.kda import KimiDeltaAttention
+    from k3jax.ops import kda_scan
+
+    calls = []
+    real = kda_scan.context_parallel_kda
+    monkeypatch.setattr(kda_scan, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    cfg = load("toy", kda_impl="chunk")
+    B, T = 4, 32
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+    seg = np.zeros((B, T), np.int32)
+    seg[:, 16:] = 1                    # a document starting at the second device's first token
+    seg[1, 5:] += 1                    # and ones starting inside a slice
+    seg[2, 23:] += 1
+    seg = jnp.asarray(seg)
+    layer = KimiDeltaAttention(cfg)
+    params = layer.init(jax.random.PRNGKey(1), x, seg)
+    r = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+
+    def loss(p, x):
+        y = layer.apply(p, x, seg)
+        return jnp.sum(y * r), y
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, want), want_g = f(params, x)
+    assert not calls
+    mesh, rules = sharding.load_mesh("data2_context2_expert2")
+    with sharding.use_mesh(mesh, rules):
+        (_, got), got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    assert calls and calls[0]["axis_name"] == "context"
+    assert rel(got, want) < 1e-5
+    assert rel(flat(got_g), flat(want_g)) < 1e-5

@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype, dense, logical
@@ -59,6 +60,46 @@ def forget_gate(cfg: ModelConfig, f, A_log, dt_bias):
     if cfg.gate_lower_bound is not None:  # K3's "safe" gate: g ∈ (lb, 0)
         return cfg.gate_lower_bound * jax.nn.sigmoid(a * x)
     return -a * jax.nn.softplus(x)
+
+
+def _context_axes() -> tuple[str, ...]:
+    """The mesh axes (size > 1) the active rules shard `length` over; () outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    ruled = nn.logical_to_mesh_axes(("length",))
+    names = ruled[0] if ruled else None
+    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+    return tuple(a for a in names if dict(mesh.shape).get(a, 1) > 1)
+
+
+def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
+    """The recurrence over whole sequences. Where the rules shard `length` over a mesh axis
+    (context parallelism), each device runs its own slice and only the fixed-size chunk
+    maps cross devices (ops.kda_scan.context_parallel_kda); otherwise `kda` with the
+    configured impl."""
+    axes = _context_axes()
+    if axes:
+        from k3jax.sharding import fit_spec
+        from k3jax.ops.kda_scan import context_parallel_kda
+
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+        spec = fit_spec(q.shape, nn.logical_to_mesh_axes(("batch", "length", "heads", None)), sizes)
+        if spec[1] is not None:  # T divides over the context axes
+            tok, rows = P(*spec[:3]), P(*spec[:2])
+            chunk = cfg.runtime.kda_chunk_size
+            axis = axes[0] if len(axes) == 1 else axes
+
+            def local(q, k, v, g, beta, *seg):
+                return context_parallel_kda(q, k, v, g, beta, axis_name=axis, chunk_size=chunk,
+                                            segment_ids=seg[0] if seg else None)[0]
+
+            args = (q, k, v, g, beta) + (() if segment_ids is None else (segment_ids,))
+            specs = (P(*spec), P(*spec), P(*spec), P(*spec), tok) + (() if segment_ids is None else (rows,))
+            return jax.shard_map(local, in_specs=specs, out_specs=P(*spec))(*args)
+    o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
+                       chunk_size=cfg.runtime.kda_chunk_size)
+    return o
 
 
 def _a_log_init(key, shape, dtype):
@@ -117,8 +158,7 @@ class KimiDeltaAttention(nn.Module):
         beta = jax.nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x).astype(jnp.float32))
 
         if cache is None:
-            o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
-                               chunk_size=cfg.runtime.kda_chunk_size)
+            o = kda_sequence(cfg, q, k, v, g, beta, segment_ids)
         else:
             valid = jnp.arange(T)[None, :] < n_new[:, None]
             g = jnp.where(valid[..., None, None], g, 0.0)
