@@ -106,7 +106,7 @@ def main():
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--K", type=int, default=128)
-    ap.add_argument("--C", type=int, nargs="+", default=[64, 32],
+    ap.add_argument("--C", type=int, nargs="+", default=[64, 32, 16],
                     help="chunk sizes for chunk/assoc (the first is the reported one)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--impls", nargs="+", default=["recurrent", "chunk", "assoc"])
