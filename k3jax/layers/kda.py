@@ -86,7 +86,7 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
         sizes = dict(jax.sharding.get_abstract_mesh().shape)
         spec = fit_spec(q.shape, nn.logical_to_mesh_axes(("batch", "length", "heads", None)), sizes)
         if spec[1] is not None:  # T divides over the context axes
-            tok, rows = P(*spec[:3]), P(*spec[:2])
+            per_channel, per_head, per_token = P(*spec), P(*spec[:3]), P(*spec[:2])
             chunk = cfg.runtime.kda_chunk_size
             axis = axes[0] if len(axes) == 1 else axes
 
@@ -94,9 +94,10 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
                 return context_parallel_kda(q, k, v, g, beta, axis_name=axis, chunk_size=chunk,
                                             segment_ids=seg[0] if seg else None)[0]
 
-            args = (q, k, v, g, beta) + (() if segment_ids is None else (segment_ids,))
-            specs = (P(*spec), P(*spec), P(*spec), P(*spec), tok) + (() if segment_ids is None else (rows,))
-            return jax.shard_map(local, in_specs=specs, out_specs=P(*spec))(*args)
+            args, specs = (q, k, v, g, beta), (per_channel,) * 4 + (per_head,)
+            if segment_ids is not None:
+                args, specs = args + (segment_ids,), specs + (per_token,)
+            return jax.shard_map(local, in_specs=specs, out_specs=per_channel)(*args)
     o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
                        chunk_size=cfg.runtime.kda_chunk_size)
     return o

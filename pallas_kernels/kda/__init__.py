@@ -130,10 +130,14 @@ def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", 
         # Zero channels are exact: a zero k column never writes the state, a zero q column
         # never reads it, g = 0 keeps the (zero) padded rows as they are, and a zero v
         # column stays zero in the state and the output. Gradients flow through the pads.
-        pad = lambda x, d, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1 - d) + [(0, n)] + [(0, 0)] * d)  # noqa: E731
-        q, k, g = (pad(x, 0, Kp - K) for x in (q, k, g))
-        v = pad(v, 0, Vp - V)
-        initial_state = pad(pad(initial_state, 0, Vp - V), 1, Kp - K)
+        def widen(x, axis, n):  # zero-pad `axis` by n at the end
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, n)
+            return jnp.pad(x, widths)
+
+        q, k, g = (widen(x, -1, Kp - K) for x in (q, k, g))
+        v = widen(v, -1, Vp - V)
+        initial_state = widen(widen(initial_state, -1, Vp - V), -2, Kp - K)
     reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
     o, h = _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout)
     return o[..., :V], h[..., :K, :V]
