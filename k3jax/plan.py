@@ -16,7 +16,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.sharding import MeshPreset, fit_spec
+from k3jax.sharding import MeshPreset, entry_axes, fit_spec
 
 GIB = 1 << 30
 MXFP4_BYTES = 17 / 32   # 4-bit E2M1 value + one E8M0 scale byte per 32 (SPEC.md §6)
@@ -41,7 +41,7 @@ class PlanOptions:
 def _sizes(spec, sizes: dict) -> int:
     n = 1
     for axes in spec:
-        for a in () if axes is None else (axes,) if isinstance(axes, str) else axes:
+        for a in entry_axes(axes):
             n *= sizes[a]
     return n
 

@@ -81,7 +81,7 @@ def _rules_from_yaml(name: str, table: dict) -> tuple:
         raise ConfigError(f"mesh {name}: unknown logical axes {unknown} (known: {LOGICAL_AXES})")
     rules = []
     for logical, mesh_axes in table.items():
-        axes = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+        axes = entry_axes(mesh_axes)
         bad = [a for a in axes if a not in AXES]
         if bad:
             raise ConfigError(f"mesh {name}: rule {logical!r} names unknown mesh axes {bad}")
@@ -156,14 +156,31 @@ def use_mesh(mesh: Mesh, rules):
         yield
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axis names of one rules / PartitionSpec entry: None, a name or a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def active_mesh_axes(logical: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the active rules (`use_mesh`) map these logical axes
+    to, in order, each once; () outside a mesh. Read while tracing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    sizes = dict(mesh.shape)
+    out = []
+    for entry in nn.logical_to_mesh_axes(logical) or ():
+        out += [a for a in entry_axes(entry) if sizes.get(a, 1) > 1 and a not in out]
+    return tuple(out)
+
+
 def fit_spec(shape, spec: P, sizes: dict) -> P:
     """Drop mesh axes from dims they do not divide (e.g. 4 heads over tensor 8): such a dim
     is replicated instead of unevenly padded, which shard_map and the planner can rely on."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         kept = []
-        for a in names:
+        for a in entry_axes(axes):
             if dim % (math.prod(sizes[b] for b in kept) * sizes[a]) == 0:
                 kept.append(a)
         out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))

@@ -312,12 +312,12 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch):
     context-parallel recurrence (each device its own slice, only chunk maps exchanged), and
     its output and gradients equal the unsharded layer's — with documents starting inside a
     device's slice and exactly at the device edge."""
+    from k3jax.layers import kda as kda_layer
     from k3jax.layers.kda import KimiDeltaAttention
-    from k3jax.ops import kda_scan
 
     calls = []
-    real = kda_scan.context_parallel_kda
-    monkeypatch.setattr(kda_scan, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = kda_layer.context_parallel_kda
+    monkeypatch.setattr(kda_layer, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = load("toy", kda_impl="chunk")
     B, T = 4, 32
     rng = np.random.default_rng(5)

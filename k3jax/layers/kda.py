@@ -16,6 +16,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype, dense, logical
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.kda_scan import context_parallel_kda
+from k3jax.sharding import active_mesh_axes, fit_spec
 
 
 def l2_normalize(x, eps: float):
@@ -62,27 +64,13 @@ def forget_gate(cfg: ModelConfig, f, A_log, dt_bias):
     return -a * jax.nn.softplus(x)
 
 
-def _context_axes() -> tuple[str, ...]:
-    """The mesh axes (size > 1) the active rules shard `length` over; () outside a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    ruled = nn.logical_to_mesh_axes(("length",))
-    names = ruled[0] if ruled else None
-    names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
-    return tuple(a for a in names if dict(mesh.shape).get(a, 1) > 1)
-
-
 def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
     """The recurrence over whole sequences. Where the rules shard `length` over a mesh axis
     (context parallelism), each device runs its own slice and only the fixed-size chunk
     maps cross devices (ops.kda_scan.context_parallel_kda); otherwise `kda` with the
     configured impl."""
-    axes = _context_axes()
+    axes = active_mesh_axes(("length",))
     if axes:
-        from k3jax.sharding import fit_spec
-        from k3jax.ops.kda_scan import context_parallel_kda
-
         sizes = dict(jax.sharding.get_abstract_mesh().shape)
         spec = fit_spec(q.shape, nn.logical_to_mesh_axes(("batch", "length", "heads", None)), sizes)
         if spec[1] is not None:  # T divides over the context axes

@@ -23,6 +23,7 @@ from k3jax.layers.common import HIGHEST, compute_dtype, dense, logical, matrix_i
 from k3jax.layers.mlp import GatedMLP, glu_activation
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.sharding import active_mesh_axes
 
 
 def route(x, gate_w, bias, top_k: int, renormalize: bool, scaling: float):
@@ -196,15 +197,8 @@ def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = 
     # Token axes follow the active rules for (batch, length), so tokens enter the shard_map
     # where the model already keeps them; `expert` is added so each expert shard holds
     # different tokens. Never `tensor`: tensor shards share tokens and split the hidden.
-    ruled = nn.logical_to_mesh_axes(("batch", "length"))
-    tok = []
-    for a in ruled or ():
-        for b in (a,) if isinstance(a, str) else (a or ()):
-            if b in sizes and b != "tensor" and b not in tok:
-                tok.append(b)
-    if "expert" not in tok:
-        tok.append("expert")
-    tok = tuple(b for b in tok if sizes[b] > 1)
+    tok = tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
+    tok += () if "expert" in tok else ("expert",)
     shards = math.prod(sizes[b] for b in tok)
     n = z.shape[0]
     pad = -n % shards      # padded tokens route nowhere (expert id E), carry weight 0, are cut off
