@@ -149,7 +149,7 @@ def test_pallas_rejects_unsupported_chunk_size():
 # context parallelism
 
 
-def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C):
+def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl):
     # Auto axes: shard_map reshards the unsharded test inputs onto the mesh itself.
     mesh = jax.make_mesh((n_dev,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:n_dev])
@@ -157,7 +157,8 @@ def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C):
 
     def local(q, k, v, g, beta, h0, seg):
         return context_parallel_kda(q, k, v, g, beta, axis_name="context", initial_state=h0,
-                                    segment_ids=seg, output_final_state=True, chunk_size=C)
+                                    segment_ids=seg, output_final_state=True, chunk_size=C,
+                                    impl=impl)
 
     # The final state is computed identically on every device from all-gathered data,
     # but the type system cannot see that; it is replicated by construction.
@@ -173,11 +174,14 @@ def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C):
     return (o, s) + grads
 
 
-@pytest.mark.parametrize("n_dev,T,C", [(2, 96, 32), (4, 200, 16), (8, 128, 16)])
-def test_context_parallel_equals_single_device(n_dev, T, C):
+@pytest.mark.parametrize("n_dev,T,C,impl", [
+    (2, 96, 32, "chunk"), (4, 200, 16, "chunk"), (8, 128, 16, "chunk"),
+    (2, 96, 32, "pallas"), (4, 200, 16, "assoc")])
+def test_context_parallel_equals_single_device(n_dev, T, C, impl):
     """Per-device T = 48, 50, 16: chunk-aligned, ragged (padding mid-sequence) and one chunk.
     Segment boundaries fall exactly on the first device edges (a document starting at a
-    device's first token) and at random places inside devices."""
+    device's first token) and at random places inside devices. Each device runs `impl`
+    locally; the oracle is the single-device recurrence."""
     if len(jax.devices()) < n_dev:
         pytest.skip(f"needs {n_dev} devices, have {len(jax.devices())} (tests/conftest.py sets 8)")
     B, H, K = 2, 2, 16
@@ -186,7 +190,7 @@ def test_context_parallel_equals_single_device(n_dev, T, C):
     seg = make_segments(n_dev, B, T, T // n_dev)  # boundaries at the first device edges
     r_o, r_s = _cotangents(B, T, H, K, K)
     ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
-    got = _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C)
+    got = _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl)
     for name, a, b in zip(NAMES, got, ref):
         assert np.all(np.isfinite(a)), name
         assert rel_rms(a, b) <= 1e-4, (name, n_dev, rel_rms(a, b))

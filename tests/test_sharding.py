@@ -307,18 +307,19 @@ def test_forward_command_on_a_mesh(capsys):
     assert "'expert': 8" in out and "moe dispatch ep" in out and "finite=True" in out, out
 
 
-def test_kda_layer_runs_context_parallel_with_documents(monkeypatch):
+@pytest.mark.parametrize("impl", ["chunk", "pallas"])
+def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
     """Under a mesh whose rules shard `length` over `context`, the KDA layer runs the
-    context-parallel recurrence (each device its own slice, only chunk maps exchanged), and
-    its output and gradients equal the unsharded layer's — with documents starting inside a
-    device's slice and exactly at the device edge."""
+    context-parallel recurrence with the configured impl (each device its own slice, only
+    state maps exchanged), and its output and gradients equal the unsharded layer's — with
+    documents starting inside a device's slice and exactly at the device edge."""
     from k3jax.layers import kda as kda_layer
     from k3jax.layers.kda import KimiDeltaAttention
 
     calls = []
     real = kda_layer.context_parallel_kda
     monkeypatch.setattr(kda_layer, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    cfg = load("toy", kda_impl="chunk")
+    cfg = load("toy", kda_impl=impl)
     B, T = 4, 32
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
@@ -341,6 +342,6 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch):
     mesh, rules = sharding.load_mesh("data2_context2_expert2")
     with sharding.use_mesh(mesh, rules):
         (_, got), got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-    assert calls and calls[0]["axis_name"] == "context"
+    assert calls and calls[0]["axis_name"] == "context" and calls[0]["impl"] == impl
     assert rel(got, want) < 1e-5
     assert rel(flat(got_g), flat(want_g)) < 1e-5

@@ -66,8 +66,8 @@ def forget_gate(cfg: ModelConfig, f, A_log, dt_bias):
 
 def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
     """The recurrence over whole sequences. Where the rules shard `length` over a mesh axis
-    (context parallelism), each device runs its own slice and only the fixed-size chunk
-    maps cross devices (ops.kda_scan.context_parallel_kda); otherwise `kda` with the
+    (context parallelism), each device runs its own slice and only the fixed-size state
+    maps cross devices (ops.kda_scan.context_parallel_kda); either way with the
     configured impl."""
     axes = active_mesh_axes(("length",))
     if axes:
@@ -80,12 +80,15 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
 
             def local(q, k, v, g, beta, *seg):
                 return context_parallel_kda(q, k, v, g, beta, axis_name=axis, chunk_size=chunk,
+                                            impl=cfg.runtime.kda_impl,
                                             segment_ids=seg[0] if seg else None)[0]
 
             args, specs = (q, k, v, g, beta), (per_channel,) * 4 + (per_head,)
             if segment_ids is not None:
                 args, specs = args + (segment_ids,), specs + (per_token,)
-            return jax.shard_map(local, in_specs=specs, out_specs=per_channel)(*args)
+            # Pallas outputs carry no mesh-axis type, so shard_map's type check stays off.
+            return jax.shard_map(local, in_specs=specs, out_specs=per_channel,
+                                 check_vma=cfg.runtime.kda_impl != "pallas")(*args)
     o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
                        chunk_size=cfg.runtime.kda_chunk_size)
     return o

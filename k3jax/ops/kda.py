@@ -114,10 +114,7 @@ def kda(
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"kda: unknown impl {impl!r}; expected one of {IMPLS}")
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    check_impl(impl, chunk_size)
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     B, T, H, K = q.shape
     out_dtype = v.dtype
@@ -130,19 +127,46 @@ def kda(
         h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
     else:
         h0 = f32(initial_state)
-    reset = _resets(segment_ids, B, T)
-
-    if impl == "recurrent":
-        o, h = _recurrent(q, k, v, g, beta, h0, reset)
-    elif impl == "chunk":
-        o, h = kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, chunk_size)
-    elif impl == "assoc":
-        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
-    else:
-        from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
-
-        o, h = pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    o, h = run_impl(impl, q, k, v, g, beta, h0, _resets(segment_ids, B, T), chunk_size)
     return o.astype(out_dtype), (h if output_final_state else None)
+
+
+def check_impl(impl, chunk_size):
+    if impl not in IMPLS:
+        raise ValueError(f"kda: unknown impl {impl!r}; expected one of {IMPLS}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _varying_axes(x):
+    """The manual mesh axes x varies over inside `shard_map` (jax >= 0.10 names them
+    `manual_axis_type.varying`, earlier releases `vma`)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(t, "vma", ()))
+
+
+def _varying_like(x, *refs):
+    """x typed as varying over every manual mesh axis the refs vary over. Under
+    `shard_map`'s type check, a scan carry started from x must have the type of what the
+    body makes of the refs."""
+    axes = frozenset().union(*map(_varying_axes, refs)) - _varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def run_impl(impl, q, k, v, g, beta, h0, reset, chunk_size):
+    """One impl on prepared inputs: fp32, q scaled, h0 [B, H, K, V], reset [B, T] bool.
+    Returns (o, final state), both fp32."""
+    h0 = _varying_like(h0, q, k, v, g, beta, reset)  # the state carry, inside a shard_map
+    if impl == "recurrent":
+        return _recurrent(q, k, v, g, beta, h0, reset)
+    if impl == "chunk":
+        return kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    if impl == "assoc":
+        return kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
+
+    return pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None):

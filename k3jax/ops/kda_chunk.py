@@ -249,7 +249,7 @@ def _blocked_schedule(q, k, v, g, beta, initial_state, reset, chunk_size, chunks
         ob = jnp.moveaxis(ob.reshape(B, H, L, -1), 1, 2)  # [B, L, H, V]
         return h, jax.lax.dynamic_update_slice_in_dim(o, ob, i * L, axis=1)
 
-    o = jnp.zeros((B, n_blocks * L, H, v.shape[-1]), jnp.float32)
+    o = jnp.zeros_like(v, shape=(B, n_blocks * L, H, v.shape[-1]))  # varies like v in shard_map
     h, o = jax.lax.fori_loop(0, n_blocks, step, (initial_state, o))
     return o[:, :T], h
 

@@ -11,9 +11,9 @@ map a with a later map b gives (M_b M_a, M_b N_a + N_b): associative, not commut
   bounds the time: long sequences on wide accelerators).
 - `context_parallel_kda`: the same idea across devices. Called inside `jax.shard_map`
   with the time axis split over a mesh axis; each device reduces its segment to one
-  (M, N) pair, the fixed-size pairs are all-gathered and prefix-combined, and each device
-  finishes its chunks from its true incoming state. Communication is O(K·(K+V)) per head
-  and device, independent of the sequence length.
+  (M, N) pair with a pass of any impl, the fixed-size pairs are all-gathered and
+  prefix-combined, and each device finishes from its true incoming state. Communication
+  is O(K·(K+V)) per head and device, independent of the sequence length.
 
 Inputs are fp32 and q carries the attention scale, as in kda_chunk; packed documents
 arrive as `reset` [B, T] bool.
@@ -103,6 +103,7 @@ def context_parallel_kda(
     initial_state=None,
     output_final_state=False,
     segment_ids=None,
+    impl="chunk",
     chunk_size=64,
 ):
     """`kda` on this device's slice of the time axis, inside `jax.shard_map`.
@@ -110,14 +111,21 @@ def context_parallel_kda(
     Arguments are the local shards ([B, T_local, H, ·]; segment_ids [B, T_local]) and mean
     what they mean for `k3jax.ops.kda.kda`; `initial_state` [B, H, K, V] is replicated and
     belongs to the first device's first document. Devices hold consecutive slices in
-    `axis_name` order. T_local need not be a multiple of chunk_size (the padding is an
-    identity map). Returns (o_local, final state or None); the final state is the same on
-    every device (shard it out with an unpartitioned spec).
+    `axis_name` order; T_local need not be a multiple of chunk_size. Returns (o_local,
+    final state or None); the final state is the same on every device (shard it out with
+    an unpartitioned spec).
+
+    Two passes of `impl` over the local slice, so every impl (the Pallas kernels too)
+    serves context parallelism and nothing per chunk is kept beyond what `impl` keeps:
+      1. the segment's map h ↦ M h + N. The state's value columns evolve independently
+         under the same linear update, so one pass with V + K value columns, v padded
+         with K zero columns and the initial state [0 | I], ends in the state [N | M];
+      2. after the (M, N) pairs are all-gathered and prefix-combined, the outputs from
+         this device's true incoming state.
     """
     from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
 
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    kda_mod.check_impl(impl, chunk_size)
     kda_mod._validate(q, k, v, g, beta, initial_state, segment_ids)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -126,27 +134,30 @@ def context_parallel_kda(
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
     h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else f32(initial_state)
+    run = lambda v, h, reset: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, chunk_size)  # noqa: E731
 
     idx = jax.lax.axis_index(axis_name)
-    reset = kda_mod._resets(segment_ids, B, T)
+    reset = kda_mod._resets(segment_ids, B, T)  # never at the local t = 0 ...
+    keep = jnp.ones((B,), jnp.float32)  # ... so a document starting there zeroes h instead
     if segment_ids is not None:
-        # The first local token starts a document when the previous device's last token
-        # belongs to another one: one id per row crosses the device boundary.
+        # One id per row crosses the device boundary: the previous device's last one.
         last_ids = jax.lax.all_gather(segment_ids[:, -1], axis_name)  # [P, B]
-        prev = last_ids[jnp.maximum(idx - 1, 0)]
-        reset = reset.at[:, 0].set((idx > 0) & (segment_ids[:, 0] != prev))
+        starts = (idx > 0) & (segment_ids[:, 0] != last_ids[jnp.maximum(idx - 1, 0)])
+        keep = jnp.where(starts, 0.0, 1.0)
+    keep = keep[:, None, None, None]
 
-    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size)
-    local = _prefix(terms)
-    segment = jax.tree.map(lambda x: x[:, :, -1], local)  # this device's whole map
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K)) * keep
+    v_map = jnp.concatenate([v, jnp.zeros((B, T, H, K), jnp.float32)], axis=-1)
+    _, nm = run(v_map, jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1), reset)
+    segment = (nm[..., V:], nm[..., :V])  # this device's whole map (M, N)
 
     # Exchange the fixed-size segment maps and prefix-combine them: every device learns
     # every device's outgoing state, and takes its predecessor's as its incoming one.
     gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), segment)  # [P, ...]
     prefix = jax.lax.associative_scan(compose, gathered, axis=0)
     after = _apply(prefix, h0[None])  # state after device p: [P, B, H, K, V]
-    h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)])
+    h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)]) * keep
 
-    o, _ = _local_scan(terms, h_in, local)
+    o, _ = run(v, h_in, reset)
     final = after[-1] if output_final_state else None
-    return _untile(o, T).astype(out_dtype), final
+    return o.astype(out_dtype), final
