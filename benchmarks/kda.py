@@ -1,7 +1,7 @@
 """KDA speed on this machine: tokens/s per impl, chunk's FLOP rate against a dense matmul,
 and flash-linear-attention's torch reference on the same inputs.
 
-    python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3]
+    python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3),
@@ -13,6 +13,7 @@ Prints one line per (T, impl) and the ratios the KDA issue asks for:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import time
@@ -110,6 +111,8 @@ def main():
                     help="chunk sizes for chunk/assoc (the first is the reported one)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--impls", nargs="+", default=["recurrent", "chunk", "assoc"])
+    ap.add_argument("--grad", action="store_true",
+                    help="also time forward+backward (jax.grad of a loss on o) per impl")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-tokens", type=int, default=1024,
                     help="sequence length for the (linear-time) fla torch references")
@@ -125,6 +128,14 @@ def main():
         print("fla-core not installed: no torch reference")
 
     fn = jax.jit(kda, static_argnames=("impl", "chunk_size", "output_final_state"))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def grad_fn(x, impl, C):
+        def loss(x):
+            o, h = kda(**x, impl=impl, chunk_size=C, output_final_state=True)
+            return jnp.sum(o * o) + jnp.sum(h)
+        return jax.grad(loss)(x)
+
     results = {}
     if fla is not None:
         # Both torch references cost linear time in T (a Python loop over tokens or over
@@ -146,6 +157,14 @@ def main():
                 results[T, key + "_frac"] = rate / peak
                 extra = f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul"
             print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}")
+            if args.grad and impl == "recurrent" and T > 4096:
+                print(f"T={T:6d} {key:10s} forward+backward not timed: its autodiff keeps "
+                      f"every token's state ({B * T * H * K * V * 4 / 2**30:.1f} GiB)")
+            elif args.grad:
+                secs = best_time(lambda: grad_fn(x, impl, C), reps)
+                results[T, key + "_grad"] = B * T / secs
+                print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s"
+                      "  forward+backward")
     Tmax = max(args.T)
     print("--- summary")
     for T in args.T:
@@ -159,6 +178,9 @@ def main():
             line += f"  (fastest: {best[1]})"
         if (T, "recurrent") in results and (T, "chunk") in results:
             line += f"  chunk/recurrent {results[T, 'chunk'] / results[T, 'recurrent']:.2f}x"
+        if (T, "recurrent_grad") in results and (T, "chunk_grad") in results:
+            line += (f" (forward+backward "
+                     f"{results[T, 'chunk_grad'] / results[T, 'recurrent_grad']:.2f}x)")
         if results.get("fla") and (T, "chunk") in results:
             line += f"  chunk/fla-best {results[T, 'chunk'] / results['fla']:.2f}x (target >= 2.5)"
         print(line)

@@ -206,95 +206,127 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
     return jax.tree.map(lambda x: x.reshape(B, H, n_chunks, *x.shape[1:]), terms)
 
 
-# Chunks per block of the forward schedule; 2 measured fastest on XLA:CPU (benchmarks/kda.py).
+# Chunks per block of the schedule; 2 measured fastest on XLA:CPU (benchmarks/kda.py).
 CHUNKS_PER_BLOCK = 2
 
 
-def _blocked_schedule(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block):
-    """The forward schedule: a loop over blocks of `chunks_per_block` chunks. Each step
-    builds its chunks' state-independent terms (one batched pass), walks the state through
-    them, then forms the outputs in one batched pass. Blocking keeps every intermediate of a step in cache:
-    building the terms for the whole sequence at once makes each of the many elementwise
-    passes stream the full [B,H,N,C,K] tensors through memory, which is what made this path
-    slower than the token recurrence on CPU at long T.
-    """
-    B, T, H, _ = q.shape
-    n_chunks = max(1, -(-T // chunk_size))
-    S = max(1, min(chunks_per_block, n_chunks))
-    n_blocks = -(-n_chunks // S)
-    L = S * chunk_size
-    pad = n_blocks * L - T
+class _Blocks(NamedTuple):
+    """How a sequence of T tokens splits into blocks of S chunks of C tokens."""
 
-    def padded(x):  # zero-padded in T to whole blocks
-        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    S: int  # chunks per block
+    L: int  # tokens per block
+    n: int  # blocks
+    pad: int  # zero tokens appended to fill the last block
 
-    xs = tuple(padded(x) for x in (q, k, v, g, beta, reset))
+    @classmethod
+    def of(cls, T, chunk_size, chunks_per_block):
+        n_chunks = max(1, -(-T // chunk_size))
+        S = max(1, min(chunks_per_block, n_chunks))
+        n = -(-n_chunks // S)
+        return cls(S, S * chunk_size, n, n * S * chunk_size - T)
+
+    def padded(self, x):
+        """x [B, T, ...] zero-padded in T to whole blocks. A padded token has g = 0 and
+        β = 0, so it neither decays nor writes the state, and q = 0 reads nothing."""
+        return jnp.pad(x, [(0, 0), (0, self.pad)] + [(0, 0)] * (x.ndim - 2))
+
+    def take(self, x, i):
+        return jax.lax.dynamic_slice_in_dim(x, i * self.L, self.L, axis=1)
+
+    def put(self, buf, x, i):
+        return jax.lax.dynamic_update_slice_in_dim(buf, x, i * self.L, axis=1)
+
+
+def _block(q, k, v, g, beta, reset, h, chunk_size):
+    """One block of chunks: inputs [B, L, H, ·] and its incoming state h [B, H, K, V] to
+    (outgoing state, outputs [B, L, H, V]). Its chunks' state-independent terms come from
+    one batched pass, the state walks through them, and the outputs come from one more."""
+    B, L, H, _ = q.shape
+    c = chunk_terms(q, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
+    outs = []
+    for s in range(L // chunk_size):
+        # W h and Q̃ h in one product: the state is read once per chunk.
+        wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2)
+        wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
+        v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
+        outs.append((v_new, wq_h[:, :, chunk_size:]))
+        h = c.decay[:, :, s, :, None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail[:, :, s], v_new)
+    v_new = jnp.stack([x[0] for x in outs], axis=2)
+    o = jnp.stack([x[1] for x in outs], axis=2) + _einsum("bhsij,bhsjv->bhsiv", c.p, v_new)
+    return h, jnp.moveaxis(o.reshape(B, H, L, -1), 1, 2)
+
+
+def _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block,
+                     keep_states=False):
+    """A loop over blocks of `chunks_per_block` chunks (_block). Blocking keeps every
+    intermediate of a step in cache: building the terms for the whole sequence at once
+    makes each of the many elementwise passes stream the full [B,H,N,C,K] tensors through
+    memory, which is what made this path slower than the token recurrence on CPU at long T.
+    Returns (o, final state, and with keep_states every block's incoming state
+    [n_blocks, B, H, K, V], which is all the backward needs besides the inputs)."""
+    T = q.shape[1]
+    blk = _Blocks.of(T, chunk_size, chunks_per_block)
+    xs = tuple(blk.padded(x) for x in (q, k, v, g, beta, reset))
 
     # A fori_loop slicing the inputs in place: a scan over pre-split xs makes XLA:CPU copy
     # every input into the loop's buffers first (a full pass over memory each).
     def step(i, carry):
-        h, o = carry
-        xb = tuple(jax.lax.dynamic_slice_in_dim(x, i * L, L, axis=1) for x in xs)
-        c = chunk_terms(*xb, chunk_size)  # each [B, H, S, ...]
-        outs = []
-        for s in range(S):
-            # W h and Q̃ h in one product: the state is read once per chunk.
-            wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2)
-            wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
-            v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
-            outs.append((v_new, wq_h[:, :, chunk_size:]))
-            h = c.decay[:, :, s, :, None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail[:, :, s], v_new)
-        v_new = jnp.stack([x[0] for x in outs], axis=2)
-        ob = jnp.stack([x[1] for x in outs], axis=2) + _einsum("bhsij,bhsjv->bhsiv", c.p, v_new)
-        ob = jnp.moveaxis(ob.reshape(B, H, L, -1), 1, 2)  # [B, L, H, V]
-        return h, jax.lax.dynamic_update_slice_in_dim(o, ob, i * L, axis=1)
+        h, o, states = carry
+        if keep_states:
+            states = states.at[i].set(h)
+        h, ob = _block(*(blk.take(x, i) for x in xs), h, chunk_size)
+        return h, blk.put(o, ob, i), states
 
-    o = jnp.zeros_like(v, shape=(B, n_blocks * L, H, v.shape[-1]))  # varies like v in shard_map
-    h, o = jax.lax.fori_loop(0, n_blocks, step, (initial_state, o))
-    return o[:, :T], h
+    o = jnp.zeros_like(xs[2])  # varies like v inside a shard_map
+    states = jnp.zeros_like(initial_state, shape=(blk.n if keep_states else 0, *initial_state.shape))
+    h, o, states = jax.lax.fori_loop(0, blk.n, step, (initial_state, o, states))
+    return o[:, :T], h, states
 
 
-def _whole_sequence_schedule(q, k, v, g, beta, initial_state, reset, chunk_size):
-    """The gradient schedule: every chunk's terms in one batched pass over the sequence,
-    then a `lax.scan` over chunks for the state-dependent products. Its autodiff backward
-    is all large batched products, measured faster than differentiating the blocked loop."""
+def _blocked_backward(q, k, v, g, beta, reset, states, do, dh, chunk_size, chunks_per_block):
+    """The gradient, block by block in reverse: each block's forward is recomputed from its
+    stored incoming state and differentiated there, carrying dL/dh backwards. Like the
+    forward it stays in cache, and it keeps nothing per chunk beyond one block's terms."""
     T = q.shape[1]
-    terms = chunk_terms(q, k, v, g, beta, reset, chunk_size)
-    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), terms)  # scan over chunks (axis 2)
+    blk = _Blocks.of(T, chunk_size, chunks_per_block)
+    xs = tuple(blk.padded(x) for x in (q, k, v, g, beta))
+    r, do = blk.padded(reset), blk.padded(do)
 
-    def step(h, c: ChunkTerms):
-        v_new = c.u - _einsum("bhck,bhkv->bhcv", c.w, h)
-        o = _einsum("bhck,bhkv->bhcv", c.q_decayed, h) + _einsum("bhij,bhjv->bhiv", c.p, v_new)
-        h = c.decay[..., None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail, v_new)
-        return h, o
+    def step(j, carry):
+        dh, grads = carry
+        i = blk.n - 1 - j
+        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], chunk_size),
+                         *(blk.take(x, i) for x in xs), states[i])
+        *dxb, dh = vjp((dh, blk.take(do, i)))
+        return dh, tuple(blk.put(buf, d, i) for buf, d in zip(grads, dxb))
 
-    h, o = jax.lax.scan(step, initial_state, xs)  # o: [N, B, H, C, V]
-    n, b, hh, c, dv = o.shape
-    o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(b, n * c, hh, dv)
-    return o[:, :T], h
+    grads = tuple(jnp.zeros_like(x) for x in xs)
+    dh0, grads = jax.lax.fori_loop(0, blk.n, step, (dh, grads))
+    return tuple(d[:, :T] for d in grads) + (dh0,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block=CHUNKS_PER_BLOCK):
     """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V]).
 
-    One math, two schedules: the forward runs block by block (fast, cache-resident), and
-    under `jax.grad` the whole-sequence schedule runs instead, because its backward is the
-    faster one. Both are held to the recurrent oracle by tests/test_kda_op.py.
+    Forward and backward both run block by block (_blocked_forward, _blocked_backward);
+    tests/test_kda_op.py holds both to the recurrent oracle.
     """
-    return _blocked_schedule(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block)
+    o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block)
+    return o, h
 
 
 def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block):
-    out, vjp = jax.vjp(
-        lambda *a: _whole_sequence_schedule(*a, reset, chunk_size), q, k, v, g, beta, initial_state
-    )
-    return out, (vjp, reset)
+    o, h, states = _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size,
+                                    chunks_per_block, keep_states=True)
+    return (o, h), (q, k, v, g, beta, reset, states)
 
 
 def _chunk_kda_bwd(chunk_size, chunks_per_block, res, cotangents):
-    vjp, reset = res
-    return (*vjp(cotangents), np.zeros(reset.shape, jax.dtypes.float0))
+    q, k, v, g, beta, reset, states = res
+    grads = _blocked_backward(q, k, v, g, beta, reset, states, *cotangents, chunk_size,
+                              chunks_per_block)
+    return (*grads, np.zeros(reset.shape, jax.dtypes.float0))
 
 
 chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)
