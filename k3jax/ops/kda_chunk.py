@@ -211,9 +211,8 @@ CHUNKS_PER_BLOCK = 2
 
 
 class _Blocks(NamedTuple):
-    """How a sequence of T tokens splits into blocks of S chunks of C tokens."""
+    """How a sequence of T tokens splits into blocks of whole chunks."""
 
-    S: int  # chunks per block
     L: int  # tokens per block
     n: int  # blocks
     pad: int  # zero tokens appended to fill the last block
@@ -221,9 +220,9 @@ class _Blocks(NamedTuple):
     @classmethod
     def of(cls, T, chunk_size, chunks_per_block):
         n_chunks = max(1, -(-T // chunk_size))
-        S = max(1, min(chunks_per_block, n_chunks))
-        n = -(-n_chunks // S)
-        return cls(S, S * chunk_size, n, n * S * chunk_size - T)
+        L = max(1, min(chunks_per_block, n_chunks)) * chunk_size
+        n = -(-n_chunks * chunk_size // L)
+        return cls(L, n, n * L - T)
 
     def padded(self, x):
         """x [B, T, ...] zero-padded in T to whole blocks. A padded token has g = 0 and
