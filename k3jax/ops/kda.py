@@ -114,28 +114,29 @@ def kda(
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
     """
-    check_impl(impl, chunk_size)
-    _validate(q, k, v, g, beta, initial_state, segment_ids)
-    B, T, H, K = q.shape
     out_dtype = v.dtype
-    if scale is None:
-        scale = K**-0.5
-
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
-    if initial_state is None:
-        h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
-    else:
-        h0 = f32(initial_state)
-    o, h = run_impl(impl, q, k, v, g, beta, h0, _resets(segment_ids, B, T), chunk_size)
+    (q, k, v, g, beta), h0, reset = prepare(q, k, v, g, beta, scale, initial_state, segment_ids,
+                                            impl, chunk_size)
+    o, h = run_impl(impl, q, k, v, g, beta, h0, reset, chunk_size)
     return o.astype(out_dtype), (h if output_final_state else None)
 
 
-def check_impl(impl, chunk_size):
+def prepare(q, k, v, g, beta, scale, initial_state, segment_ids, impl, chunk_size):
+    """Checks `kda`'s arguments and brings them to what every impl takes: fp32 (q, k, v, g,
+    beta) with q scaled, the initial state (zeros if None) and reset [B, T] bool."""
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl {impl!r}; expected one of {IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    _validate(q, k, v, g, beta, initial_state, segment_ids)
+    B, T, H, K = q.shape
+    scale = K**-0.5 if scale is None else scale
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+    else:
+        h0 = f32(initial_state)
+    return (f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)), h0, _resets(segment_ids, B, T)
 
 
 def _varying_axes(x):

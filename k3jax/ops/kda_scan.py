@@ -125,19 +125,15 @@ def context_parallel_kda(
     """
     from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
 
-    kda_mod.check_impl(impl, chunk_size)
-    kda_mod._validate(q, k, v, g, beta, initial_state, segment_ids)
+    out_dtype = v.dtype
+    # reset never marks the local t = 0 ...
+    (q, k, v, g, beta), h0, reset = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
+                                                    segment_ids, impl, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    out_dtype = v.dtype
-    scale = K**-0.5 if scale is None else scale
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    q, k, v, g, beta = f32(q) * scale, f32(k), f32(v), f32(g), f32(beta)
-    h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else f32(initial_state)
-    run = lambda v, h, reset: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, chunk_size)  # noqa: E731
+    run = lambda v, h: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, chunk_size)  # noqa: E731
 
     idx = jax.lax.axis_index(axis_name)
-    reset = kda_mod._resets(segment_ids, B, T)  # never at the local t = 0 ...
     keep = jnp.ones((B,), jnp.float32)  # ... so a document starting there zeroes h instead
     if segment_ids is not None:
         # One id per row crosses the device boundary: the previous device's last one.
@@ -148,7 +144,7 @@ def context_parallel_kda(
 
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K)) * keep
     v_map = jnp.concatenate([v, jnp.zeros((B, T, H, K), jnp.float32)], axis=-1)
-    _, nm = run(v_map, jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1), reset)
+    _, nm = run(v_map, jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1))
     segment = (nm[..., V:], nm[..., :V])  # this device's whole map (M, N)
 
     # Exchange the fixed-size segment maps and prefix-combine them: every device learns
@@ -158,6 +154,6 @@ def context_parallel_kda(
     after = _apply(prefix, h0[None])  # state after device p: [P, B, H, K, V]
     h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)]) * keep
 
-    o, _ = run(v, h_in, reset)
+    o, _ = run(v, h_in)
     final = after[-1] if output_final_state else None
     return o.astype(out_dtype), final
