@@ -271,6 +271,24 @@ def test_final_state_only_on_request_and_custom_scale():
     assert rel_rms(o2, o_np) <= 1e-4
 
 
+def test_traced_scale_gets_its_gradient():
+    """scale may be a traced value (a learned temperature). `chunk` applies it block by
+    block inside its custom VJP, so that VJP must return its cotangent."""
+    B, T, H, K, C = 2, 75, 2, 16, 32
+    x = make_inputs(9, B, T, H, K, gate="softplus")
+    r_o = np.random.default_rng(9).standard_normal((B, T, H, K)).astype(np.float32)
+
+    def grads(impl):
+        def loss(scale, q):
+            o, _ = kda(q, *list(x.values())[1:], scale=scale, impl=impl, chunk_size=C)
+            return jnp.sum(o * r_o)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.float32(0.3), x["q"])
+
+    (ds_rec, dq_rec), (ds_chk, dq_chk) = grads("recurrent"), grads("chunk")
+    assert abs(float(ds_chk - ds_rec)) <= 1e-4 * abs(float(ds_rec))
+    assert rel_rms(dq_chk, dq_rec) <= 1e-4
+
+
 def test_chunk_transitions_compose_to_final_state():
     B, T, H, K, V, C = 2, 90, 2, 16, 8, 32
     x = make_inputs(13, B, T, H, K, V, gate="softplus")

@@ -1,8 +1,9 @@
 """Chunkwise (UT / WY) form of Kimi Delta Attention, SPEC.md §3.
 
 Callers go through `k3jax.ops.kda.kda(..., impl="chunk")`; this module holds the math.
-Inputs here are already fp32, q already carries the attention scale, and packed documents
-arrive as a boolean `reset` [B, T] (True where the state restarts from zero).
+Inputs here are already fp32, q carries the attention scale (chunk_terms) or comes with it
+(chunk_kda), and packed documents arrive as a boolean `reset` [B, T] (True where the state
+restarts from zero).
 
 Within a chunk of C tokens, with G the in-chunk cumulative log decay:
   A = StrictTril(diag(β) [k_i·(k_j ⊙ e^{G_i−G_j})]),  (I + A) [W | U] = diag(β) [K ⊙ e^G | V],
@@ -236,12 +237,13 @@ class _Blocks(NamedTuple):
         return jax.lax.dynamic_update_slice_in_dim(buf, x, i * self.L, axis=1)
 
 
-def _block(q, k, v, g, beta, reset, h, chunk_size):
-    """One block of chunks: inputs [B, L, H, ·] and its incoming state h [B, H, K, V] to
-    (outgoing state, outputs [B, L, H, V]). Its chunks' state-independent terms come from
-    one batched pass, the state walks through them, and the outputs come from one more."""
+def _block(q, k, v, g, beta, reset, h, scale, chunk_size):
+    """One block of chunks: inputs [B, L, H, ·] (q not yet scaled) and its incoming state
+    h [B, H, K, V] to (outgoing state, outputs [B, L, H, V]). Its chunks' state-independent
+    terms come from one batched pass, the state walks through them, and the outputs come
+    from one more."""
     B, L, H, _ = q.shape
-    c = chunk_terms(q, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
+    c = chunk_terms(q * scale, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
     outs = []
     for s in range(L // chunk_size):
         # W h and Q̃ h in one product: the state is read once per chunk.
@@ -255,7 +257,7 @@ def _block(q, k, v, g, beta, reset, h, chunk_size):
     return h, jnp.moveaxis(o.reshape(B, H, L, -1), 1, 2)
 
 
-def _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block,
+def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block,
                      keep_states=False):
     """A loop over blocks of `chunks_per_block` chunks (_block). Blocking keeps every
     intermediate of a step in cache: building the terms for the whole sequence at once
@@ -273,7 +275,7 @@ def _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_
         h, o, states = carry
         if keep_states:
             states = states.at[i].set(h)
-        h, ob = _block(*(blk.take(x, i) for x in xs), h, chunk_size)
+        h, ob = _block(*(blk.take(x, i) for x in xs), h, scale, chunk_size)
         return h, blk.put(o, ob, i), states
 
     o = jnp.zeros_like(xs[2])  # varies like v inside a shard_map
@@ -282,50 +284,55 @@ def _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_
     return o[:, :T], h, states
 
 
-def _blocked_backward(q, k, v, g, beta, reset, states, do, dh, chunk_size, chunks_per_block):
+def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size,
+                      chunks_per_block):
     """The gradient, block by block in reverse: each block's forward is recomputed from its
     stored incoming state and differentiated there, carrying dL/dh backwards. Like the
-    forward it stays in cache, and it keeps nothing per chunk beyond one block's terms."""
+    forward it stays in cache, and it keeps nothing per chunk beyond one block's terms.
+    Returns (dq, dk, dv, dg, dβ, dh0, dscale)."""
     T = q.shape[1]
     blk = _Blocks.of(T, chunk_size, chunks_per_block)
     xs = tuple(blk.padded(x) for x in (q, k, v, g, beta))
     r, do = blk.padded(reset), blk.padded(do)
 
     def step(j, carry):
-        dh, grads = carry
+        dh, dscale, grads = carry
         i = blk.n - 1 - j
-        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], chunk_size),
-                         *(blk.take(x, i) for x in xs), states[i])
-        *dxb, dh = vjp((dh, blk.take(do, i)))
-        return dh, tuple(blk.put(buf, d, i) for buf, d in zip(grads, dxb))
+        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], a[6], chunk_size),
+                         *(blk.take(x, i) for x in xs), states[i], scale)
+        *dxb, dh, ds = vjp((dh, blk.take(do, i)))
+        return dh, dscale + ds, tuple(blk.put(buf, d, i) for buf, d in zip(grads, dxb))
 
     grads = tuple(jnp.zeros_like(x) for x in xs)
-    dh0, grads = jax.lax.fori_loop(0, blk.n, step, (dh, grads))
-    return tuple(d[:, :T] for d in grads) + (dh0,)
+    dh0, dscale, grads = jax.lax.fori_loop(0, blk.n, step, (dh, jnp.zeros_like(scale), grads))
+    return tuple(d[:, :T] for d in grads) + (dh0, dscale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def chunk_kda(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block=CHUNKS_PER_BLOCK):
-    """Chunkwise KDA. fp32 in and out; returns (o [B,T,H,V], final state [B,H,K,V]).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
+              chunks_per_block=CHUNKS_PER_BLOCK):
+    """Chunkwise KDA. fp32 in and out, q unscaled and `scale` a fp32 scalar; returns
+    (o [B,T,H,V], final state [B,H,K,V]).
 
     Forward and backward both run block by block (_blocked_forward, _blocked_backward);
     tests/test_kda_op.py holds both to the recurrent oracle.
     """
-    o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block)
+    o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
+                               chunks_per_block)
     return o, h
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, chunk_size, chunks_per_block):
-    o, h, states = _blocked_forward(q, k, v, g, beta, initial_state, reset, chunk_size,
+def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block):
+    o, h, states = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
                                     chunks_per_block, keep_states=True)
-    return (o, h), (q, k, v, g, beta, reset, states)
+    return (o, h), (q, k, v, g, beta, reset, scale, states)
 
 
 def _chunk_kda_bwd(chunk_size, chunks_per_block, res, cotangents):
-    q, k, v, g, beta, reset, states = res
-    grads = _blocked_backward(q, k, v, g, beta, reset, states, *cotangents, chunk_size,
-                              chunks_per_block)
-    return (*grads, np.zeros(reset.shape, jax.dtypes.float0))
+    q, k, v, g, beta, reset, scale, states = res
+    *grads, dh0, dscale = _blocked_backward(q, k, v, g, beta, reset, scale, states, *cotangents,
+                                            chunk_size, chunks_per_block)
+    return (*grads, dh0, np.zeros(reset.shape, jax.dtypes.float0), dscale)
 
 
 chunk_kda.defvjp(_chunk_kda_fwd, _chunk_kda_bwd)

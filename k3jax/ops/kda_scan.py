@@ -127,11 +127,11 @@ def context_parallel_kda(
 
     out_dtype = v.dtype
     # reset never marks the local t = 0 ...
-    (q, k, v, g, beta), h0, reset = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
-                                                    segment_ids, impl, chunk_size)
+    (q, k, v, g, beta), h0, reset, scale = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
+                                                           segment_ids, impl, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    run = lambda v, h: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, chunk_size)  # noqa: E731
+    run = lambda v, h: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size)  # noqa: E731
 
     idx = jax.lax.axis_index(axis_name)
     keep = jnp.ones((B,), jnp.float32)  # ... so a document starting there zeroes h instead
