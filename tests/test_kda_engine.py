@@ -77,9 +77,16 @@ def test_assoc_matches_recurrent(T, H, K, C, gate, use_h0, use_seg):
     _check_against_recurrent("assoc", T, H, K, C, gate, use_h0, use_seg)
 
 
-@pytest.mark.parametrize("case", [CHUNKED_CASES[3], CHUNKED_CASES[5]], ids=_ids(CHUNKED_CASES[3::2]))
+# Strong decay over long chunks: dg is 1.1e-4 off if the decay-to-chunk-end's cotangent
+# reaches g through G (kda_chunk._decay_after).
+STRONG_DECAY_CASE = (500, 2, 128, 128, "near5", True, True)
+LONG_AND_WIDE = [CHUNKED_CASES[3], CHUNKED_CASES[5], STRONG_DECAY_CASE]
+
+
+@pytest.mark.parametrize("case", LONG_AND_WIDE, ids=_ids(LONG_AND_WIDE))
 def test_chunk_matches_recurrent_long_and_wide(case):
-    """K = 128 and T = 1000 for `chunk`, with gradients (test_kda_op covers the rest)."""
+    """K = 128, T = 1000 and strong decay for `chunk`, with gradients (test_kda_op covers
+    the rest)."""
     _check_against_recurrent("chunk", *case)
 
 
@@ -104,6 +111,9 @@ PALLAS_CASES = [
     # Strong decay over a long chunk: the outgoing state hangs on G_C − G_i being the exact
     # suffix of the cumulative decay (2e-4 off when G_C came from a separate sum).
     (256, 1, 64, 128, "softplus", True, True),
+    # Strong decay everywhere: dg hangs on the cancellations the backward avoids (1.6e-4
+    # off when G_C − G_i's cotangent went through G and the undecayed diagonal into dG).
+    (500, 1, 128, 128, "near5", True, True),
 ]
 
 

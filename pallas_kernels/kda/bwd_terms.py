@@ -28,8 +28,9 @@ from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, chunk_specs,
 
 
 def _decayed_products(G, pairs_row, pairs_col):
-    """Rw(D, Y) for each (D, Y) in pairs_row, and Σ Cl(D, X) over pairs_col; every D is
-    [C, C] and zero above the diagonal. Returns ([rw, ...], cl), [C, K] each."""
+    """Rw(D, Y) for each (D, Y) in pairs_row, and Σ Cl(D, X) over pairs_col, over the pairs
+    strictly below the diagonal (i > j); every D is [C, C] and zero above the diagonal.
+    Returns ([rw, ...], cl), [C, K] each."""
     C, K = G.shape
     rw = [jnp.zeros((C, K), jnp.float32) for _ in pairs_row]
     cl = jnp.zeros((C, K), jnp.float32)
@@ -51,8 +52,8 @@ def _decayed_products(G, pairs_row, pairs_col):
 
         def column(j, acc, G_I=G_I, rows_d=rows_d, cols_d=cols_d):
             rw_I, cl_I = acc
-            # e^{G_i − G_j} for rows i >= j of the sub-chunk (exponent <= 0), else 0.
-            e = jnp.where(s_idx >= j, jnp.exp(jnp.minimum(G_I - _row(G_I, j), 0.0)), 0.0)
+            # e^{G_i − G_j} for rows i > j of the sub-chunk (exponent <= 0), else 0.
+            e = jnp.where(s_idx > j, jnp.exp(jnp.minimum(G_I - _row(G_I, j), 0.0)), 0.0)
             col_j = lambda d: jnp.sum(jnp.where(s_col == j, d, 0.0), axis=1, keepdims=True)  # noqa: E731
             rw_I = [r + col_j(d) * _row(y, j) * e for r, (d, y) in zip(rw_I, rows_d)]
             for d, x in cols_d:
@@ -113,27 +114,33 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     e_tail = jnp.exp(jnp.minimum(G_last - G, 0.0))
     dkt = dkt_ref[...]
     dk = dk + jnp.where(reaches_out > 0, dkt * e_tail, 0.0)
+    # G_C − G_i is the sum of g over the tokens after i, so its cotangent t_i goes to those
+    # g directly (dg_s += Σ_{i<s} t_i, below). Routed through G it would be G_C's Σ t minus
+    # the suffix sums: a difference of large terms that costs dg ~1e-4 under strong decay.
     t = jnp.where(reaches_out > 0, dkt * k * e_tail, 0.0)
-    dG = dG - t
     eye_k = _iota((K, K), 0) == _iota((K, K), 1)
     ddec = jnp.sum(jnp.where(eye_k, ddec_ref[...], 0.0), axis=0, keepdims=True)  # [K,1] -> [1,K]
     clean = _row(sees_in, C - 1)
-    dG_last = jnp.sum(t, axis=0, keepdims=True) + jnp.where(clean > 0, ddec * jnp.exp(G_last), 0.0)
+    dG_last = jnp.where(clean > 0, ddec * jnp.exp(G_last), 0.0)
 
-    # Through the scores S^q (P) and S^k (A before β).
+    # Through the scores S^q (P) and S^k (A before β; strictly lower, so no diagonal).
     d_sq = dp_ref[...] * jnp.where(row >= col, same, 0.0)
     d_sk = d_a * beta
     # Rw(dS^q, K) and Rw(dS^k, K) stay apart (they multiply q and k in dG); both Cl
     # terms multiply k, so they are summed.
     (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)])
-    dq = dq + rw_q
-    dk = dk + rw_k + cl
+    # The diagonal S^q_ii = q_i·k_i has no decay: it reaches dq and dk but not dG, where
+    # its two terms would cancel only up to rounding, and the suffix sums into dg would
+    # gather that residue over the chunk (dg 2e-5 off under strong decay).
+    d_sq_ii = jnp.sum(jnp.where(row == col, d_sq, 0.0), axis=1, keepdims=True)  # [C, 1]
+    dq = dq + rw_q + d_sq_ii * k
+    dk = dk + rw_k + cl + d_sq_ii * q
     dG = dG + q * rw_q + k * rw_k - k * cl
 
     dq_ref[...] = dq
     dk_ref[...] = dk
     dv_ref[...] = dv
-    dg_ref[...] = dot_tn(tril, dG) + dG_last
+    dg_ref[...] = dot_tn(tril, dG) + dot(jnp.where(row > col, 1.0, 0.0), t) + dG_last
     db_ref[...] = dbeta
 
 

@@ -136,7 +136,9 @@ def chunk_specs(C, heads):
     """BlockSpecs on the (Z, N) grid: per-token blocks [C, d] of a [Z, Tp, d] array, per-batch
     mask blocks of a [B, Tp, d] array, and the per-chunk decay column [K, 1]."""
     tok = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (z, n, 0))  # noqa: E731
-    per_b = lambda d: pl.BlockSpec((None, C, d), lambda z, n: (jax.lax.div(z, heads), n, 0))  # noqa: E731
+    # The head count takes the grid index's dtype: a Python int is int64 under jax_enable_x64.
+    per_b = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, C, d), lambda z, n: (jax.lax.div(z, jnp.asarray(heads, z.dtype)), n, 0))
     dec = lambda K: pl.BlockSpec((None, K, 1), lambda z, n: (z, n, 0))  # noqa: E731
     return tok, per_b, dec
 
