@@ -146,6 +146,15 @@ def test_pallas_gpu_layout_matches_recurrent():
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
+def test_pallas_runs_under_x64():
+    """jax_enable_x64 makes Python ints int64; the kernels' index maps must stay int32."""
+    x = make_inputs(5, 1, 20, 2, 16)
+    o_ref, _ = kda(**x, impl="recurrent")
+    with jax.enable_x64(True):
+        o, _ = kda(**x, impl="pallas", chunk_size=16)
+    assert rel_rms(o, o_ref) <= 1e-4
+
+
 def test_pallas_pads_other_head_dims():
     """K = 12 and V = 40 run zero-padded to the kernels' 16 and 64; the pads must be exact
     in every output and gradient."""
