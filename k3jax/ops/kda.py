@@ -155,22 +155,26 @@ def _varying_like(x, *refs):
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size):
+def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True):
     """One impl on prepared inputs: fp32, h0 [B, H, K, V], reset [B, T] bool, q's scale.
-    Returns (o, final state), both fp32."""
+    Returns (o, final state), both fp32. With outputs=False o is None: `chunk` then does
+    only the state's work; the other impls compute o and drop it."""
     h0 = _varying_like(h0, q, k, v, g, beta, reset)  # the state carry, inside a shard_map
     if impl == "chunk":
         # Scaled block by block, inside the loop: scaling the whole q up front is a full
         # extra pass over [B, T, H, K] in memory (6% of the forward at 16k on CPU).
-        return kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, scale, chunk_size)
+        return kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, scale, chunk_size,
+                                   kda_chunk.CHUNKS_PER_BLOCK, outputs)
     q = q * scale
     if impl == "recurrent":
-        return _recurrent(q, k, v, g, beta, h0, reset)
-    if impl == "assoc":
-        return kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
-    from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
+        o, h = _recurrent(q, k, v, g, beta, h0, reset)
+    elif impl == "assoc":
+        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    else:
+        from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
 
-    return pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
+        o, h = pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
+    return (o if outputs else None), h
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None):

@@ -261,34 +261,37 @@ class _Blocks(NamedTuple):
         return jax.lax.dynamic_update_slice_in_dim(buf, x, i * self.L, axis=1)
 
 
-def _block(q, k, v, g, beta, reset, h, scale, chunk_size):
+def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True):
     """One block of chunks: inputs [B, L, H, ·] (q not yet scaled) and its incoming state
-    h [B, H, K, V] to (outgoing state, outputs [B, L, H, V]). Its chunks' state-independent
-    terms come from one batched pass, the state walks through them, and the outputs come
-    from one more."""
+    h [B, H, K, V] to (outgoing state, outputs [B, L, H, V], or None without `outputs`).
+    Its chunks' state-independent terms come from one batched pass, the state walks
+    through them, and the outputs come from one more."""
     B, L, H, _ = q.shape
     c = chunk_terms(q * scale, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
     outs = []
     for s in range(L // chunk_size):
         # W h and Q̃ h in one product: the state is read once per chunk.
-        wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2)
+        wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2) if outputs else c.w[:, :, s]
         wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
         v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
         outs.append((v_new, wq_h[:, :, chunk_size:]))
         h = c.decay[:, :, s, :, None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail[:, :, s], v_new)
+    if not outputs:
+        return h, None
     v_new = jnp.stack([x[0] for x in outs], axis=2)
     o = jnp.stack([x[1] for x in outs], axis=2) + _einsum("bhsij,bhsjv->bhsiv", c.p, v_new)
     return h, jnp.moveaxis(o.reshape(B, H, L, -1), 1, 2)
 
 
 def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block,
-                     keep_states=False):
+                     keep_states=False, outputs=True):
     """A loop over blocks of `chunks_per_block` chunks (_block). Blocking keeps every
     intermediate of a step in cache: building the terms for the whole sequence at once
     makes each of the many elementwise passes stream the full [B,H,N,C,K] tensors through
     memory, which is what made this path slower than the token recurrence on CPU at long T.
-    Returns (o, final state, and with keep_states every block's incoming state
-    [n_blocks, B, H, K, V], which is all the backward needs besides the inputs)."""
+    Returns (o or None without `outputs`, final state, and with keep_states every block's
+    incoming state [n_blocks, B, H, K, V], which is all the backward needs besides the
+    inputs)."""
     T = q.shape[1]
     blk = _Blocks.of(T, chunk_size, chunks_per_block)
     xs = tuple(blk.padded(x) for x in (q, k, v, g, beta, reset))
@@ -299,17 +302,17 @@ def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, 
         h, o, states = carry
         if keep_states:
             states = states.at[i].set(h)
-        h, ob = _block(*(blk.take(x, i) for x in xs), h, scale, chunk_size)
-        return h, blk.put(o, ob, i), states
+        h, ob = _block(*(blk.take(x, i) for x in xs), h, scale, chunk_size, outputs)
+        return h, (blk.put(o, ob, i) if outputs else o), states
 
-    o = jnp.zeros_like(xs[2])  # varies like v inside a shard_map
+    o = jnp.zeros_like(xs[2]) if outputs else None  # varies like v inside a shard_map
     states = jnp.zeros_like(initial_state, shape=(blk.n if keep_states else 0, *initial_state.shape))
     h, o, states = jax.lax.fori_loop(0, blk.n, step, (initial_state, o, states))
-    return o[:, :T], h, states
+    return (o[:, :T] if outputs else None), h, states
 
 
 def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size,
-                      chunks_per_block):
+                      chunks_per_block, outputs=True):
     """The gradient, block by block in reverse: each block's forward is recomputed from its
     stored incoming state and differentiated there, carrying dL/dh backwards. Like the
     forward it stays in cache, and it keeps nothing per chunk beyond one block's terms.
@@ -317,14 +320,15 @@ def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size
     T = q.shape[1]
     blk = _Blocks.of(T, chunk_size, chunks_per_block)
     xs = tuple(blk.padded(x) for x in (q, k, v, g, beta))
-    r, do = blk.padded(reset), blk.padded(do)
+    r = blk.padded(reset)
+    do = blk.padded(do) if outputs else None
 
     def step(j, carry):
         dh, dscale, grads = carry
         i = blk.n - 1 - j
-        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], a[6], chunk_size),
+        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], a[6], chunk_size, outputs),
                          *(blk.take(x, i) for x in xs), states[i], scale)
-        *dxb, dh, ds = vjp((dh, blk.take(do, i)))
+        *dxb, dh, ds = vjp((dh, blk.take(do, i) if outputs else None))
         return dh, dscale + ds, tuple(blk.put(buf, d, i) for buf, d in zip(grads, dxb))
 
     grads = tuple(jnp.zeros_like(x) for x in xs)
@@ -332,30 +336,33 @@ def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size
     return tuple(d[:, :T] for d in grads) + (dh0, dscale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-              chunks_per_block=CHUNKS_PER_BLOCK):
+              chunks_per_block=CHUNKS_PER_BLOCK, outputs=True):
     """Chunkwise KDA. fp32 in and out, q unscaled and `scale` a fp32 scalar; returns
-    (o [B,T,H,V], final state [B,H,K,V]).
+    (o [B,T,H,V], final state [B,H,K,V]). With outputs=False only the final state is
+    computed (o is None and q is not read): the context-parallel pass that finds a
+    segment's transition needs nothing else.
 
     Forward and backward both run block by block (_blocked_forward, _blocked_backward);
     tests/test_kda_op.py holds both to the recurrent oracle.
     """
     o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-                               chunks_per_block)
+                               chunks_per_block, outputs=outputs)
     return o, h
 
 
-def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block):
+def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block,
+                   outputs):
     o, h, states = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-                                    chunks_per_block, keep_states=True)
+                                    chunks_per_block, keep_states=True, outputs=outputs)
     return (o, h), (q, k, v, g, beta, reset, scale, states)
 
 
-def _chunk_kda_bwd(chunk_size, chunks_per_block, res, cotangents):
+def _chunk_kda_bwd(chunk_size, chunks_per_block, outputs, res, cotangents):
     q, k, v, g, beta, reset, scale, states = res
     *grads, dh0, dscale = _blocked_backward(q, k, v, g, beta, reset, scale, states, *cotangents,
-                                            chunk_size, chunks_per_block)
+                                            chunk_size, chunks_per_block, outputs)
     return (*grads, dh0, np.zeros(reset.shape, jax.dtypes.float0), dscale)
 
 

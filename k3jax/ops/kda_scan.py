@@ -119,7 +119,8 @@ def context_parallel_kda(
     serves context parallelism and nothing per chunk is kept beyond what `impl` keeps:
       1. the segment's map h ↦ M h + N. The state's value columns evolve independently
          under the same linear update, so one pass with V + K value columns, v padded
-         with K zero columns and the initial state [0 | I], ends in the state [N | M];
+         with K zero columns and the initial state [0 | I], ends in the state [N | M]
+         (a final-state-only pass: `chunk` skips the outputs' work there);
       2. after the (M, N) pairs are all-gathered and prefix-combined, the outputs from
          this device's true incoming state.
     """
@@ -131,7 +132,8 @@ def context_parallel_kda(
                                                            segment_ids, impl, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    run = lambda v, h: kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size)  # noqa: E731
+    def run(v, h, outputs=True):
+        return kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size, outputs)
 
     idx = jax.lax.axis_index(axis_name)
     keep = jnp.ones((B,), jnp.float32)  # ... so a document starting there zeroes h instead
@@ -144,7 +146,8 @@ def context_parallel_kda(
 
     eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K)) * keep
     v_map = jnp.concatenate([v, jnp.zeros((B, T, H, K), jnp.float32)], axis=-1)
-    _, nm = run(v_map, jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1))
+    _, nm = run(v_map, jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1),
+                outputs=False)
     segment = (nm[..., V:], nm[..., :V])  # this device's whole map (M, N)
 
     # Exchange the fixed-size segment maps and prefix-combine them: every device learns
