@@ -109,7 +109,7 @@ PALLAS_CASES = [
     (64, 1, 64, 64, "near0", False, False),
     (63, 1, 128, 16, "safe", True, True),
     # Strong decay over a long chunk: the outgoing state hangs on G_C − G_i being the exact
-    # suffix of the cumulative decay (2e-4 off when G_C came from a separate sum).
+    # suffix of the cumulative decay (1.4e-4 off when G_C came from a separate sum).
     (256, 1, 64, 128, "softplus", True, True),
     # Strong decay everywhere: dg hangs on the cancellations the backward avoids (1.6e-4
     # off when G_C − G_i's cotangent went through G and the undecayed diagonal into dG).

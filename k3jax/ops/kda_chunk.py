@@ -270,8 +270,9 @@ def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True):
     c = chunk_terms(q * scale, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
     outs = []
     for s in range(L // chunk_size):
-        # W h and Q̃ h in one product: the state is read once per chunk.
-        wq = jnp.concatenate([c.w[:, :, s], c.q_decayed[:, :, s]], axis=2) if outputs else c.w[:, :, s]
+        wq = c.w[:, :, s]
+        if outputs:  # W h and Q̃ h in one product: the state is read once per chunk
+            wq = jnp.concatenate([wq, c.q_decayed[:, :, s]], axis=2)
         wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
         v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
         outs.append((v_new, wq_h[:, :, chunk_size:]))

@@ -132,6 +132,7 @@ def context_parallel_kda(
                                                            segment_ids, impl, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
+
     def run(v, h, outputs=True):
         return kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size, outputs)
 
