@@ -4,7 +4,8 @@ and flash-linear-attention's torch reference on the same inputs.
     python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
-  chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3),
+  chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3; beside it, the fraction of a
+  batched [K, K] matmul's rate, the shape the chunk loop multiplies, measured in the same run),
   chunk / recurrent tokens/s at the longest T (target >= 2),
   chunk / faster of fla's naive_recurrent_kda and naive_chunk_kda (target >= 2.5).
 `pallas` runs in interpret mode on CPU: it is checked for correctness, never timed here.
@@ -41,6 +42,24 @@ def dense_matmul_rate(n=2048, reps=5):
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     mm = jax.jit(lambda x: jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
     return 2 * n**3 / best_time(lambda: mm(a), reps)
+
+
+def batched_matmul_rate(batch, n, reps=5, inner=50):
+    """fp32 FLOP/s of `batch` independent [n, n] @ [n, n] (HIGHEST), `inner` times in one
+    jitted loop. With batch = B·H and n = K this is the chunk loop's per-chunk product
+    ([W; Q̃] h is [2C, K] @ [K, V], and 2C = K at C = 64): its rate, not the dense one,
+    bounds what `chunk` can reach (XLA:CPU runs each batched matmul on one core here)."""
+    a = jax.random.normal(jax.random.key(1), (batch, n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (batch, n, n), jnp.float32) / n
+
+    @jax.jit
+    def loop(a, b):
+        # Each product feeds the next, so XLA can neither hoist nor drop one.
+        step = lambda _, x: jnp.einsum("zmk,zkn->zmn", x, b,  # noqa: E731
+                                       precision=jax.lax.Precision.HIGHEST)
+        return jax.lax.fori_loop(0, inner, step, a)
+
+    return inner * 2 * batch * n**3 / best_time(lambda: loop(a, b), reps)
 
 
 def chunk_flops(T, H, K, V, C):
@@ -120,8 +139,10 @@ def main():
     B, H, K, V = args.B, args.H, args.K, args.K
 
     peak = dense_matmul_rate()
+    batched = batched_matmul_rate(B * H, K)
     print(f"backend {jax.default_backend()}, {os.cpu_count()} cpus; dense fp32 matmul "
-          f"{peak / 1e9:.1f} GFLOP/s")
+          f"{peak / 1e9:.1f} GFLOP/s; {B * H} batched [{K},{K}]x[{K},{K}] (the chunk loop's "
+          f"product) {batched / 1e9:.1f} GFLOP/s = {batched / peak:.2f} of dense")
     print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
     fla = None if args.no_fla else load_fla_naive()
     if fla is None and not args.no_fla:
@@ -155,7 +176,8 @@ def main():
             if impl == "chunk":
                 rate = B * chunk_flops(T, H, K, V, C) / secs
                 results[T, key + "_frac"] = rate / peak
-                extra = f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul"
+                extra = (f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul, "
+                         f"{rate / batched:.2f} of batched")
             print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}")
             if args.grad and impl == "recurrent" and T > 4096:
                 print(f"T={T:6d} {key:10s} forward+backward not timed: its autodiff keeps "
