@@ -50,7 +50,8 @@ def batched_matmul_rate(batch, n, reps=5, inner=50):
     ([W; Q̃] h is [2C, K] @ [K, V], and 2C = K at C = 64): its rate, not the dense one,
     bounds what `chunk` can reach (XLA:CPU runs each batched matmul on one core here)."""
     a = jax.random.normal(jax.random.key(1), (batch, n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(2), (batch, n, n), jnp.float32) / n
+    # Entries of size n^-1/2 keep x's magnitude steady over the chained products.
+    b = jax.random.normal(jax.random.key(2), (batch, n, n), jnp.float32) / n**0.5
 
     @jax.jit
     def loop(a, b):

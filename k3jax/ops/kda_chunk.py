@@ -275,7 +275,8 @@ def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True):
             wq = jnp.concatenate([wq, c.q_decayed[:, :, s]], axis=2)
         wq_h = _einsum("bhck,bhkv->bhcv", wq, h)
         v_new = c.u[:, :, s] - wq_h[:, :, :chunk_size]
-        outs.append((v_new, wq_h[:, :, chunk_size:]))
+        if outputs:
+            outs.append((v_new, wq_h[:, :, chunk_size:]))
         h = c.decay[:, :, s, :, None] * h + _einsum("bhck,bhcv->bhkv", c.k_tail[:, :, s], v_new)
     if not outputs:
         return h, None
@@ -342,8 +343,8 @@ def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
               chunks_per_block=CHUNKS_PER_BLOCK, outputs=True):
     """Chunkwise KDA. fp32 in and out, q unscaled and `scale` a fp32 scalar; returns
     (o [B,T,H,V], final state [B,H,K,V]). With outputs=False only the final state is
-    computed (o is None and q is not read): the context-parallel pass that finds a
-    segment's transition needs nothing else.
+    computed (o is None, and XLA drops the terms made from q): the context-parallel pass
+    that finds a segment's transition needs nothing else.
 
     Forward and backward both run block by block (_blocked_forward, _blocked_backward);
     tests/test_kda_op.py holds both to the recurrent oracle.
