@@ -2,6 +2,7 @@
 and flash-linear-attention's torch reference on the same inputs.
 
     python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
+                             [--xla-cpu-dots onednn]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3; beside it, the fraction of a
@@ -9,6 +10,13 @@ Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk / recurrent tokens/s at the longest T (target >= 2),
   chunk / faster of fla's naive_recurrent_kda and naive_chunk_kda (target >= 2.5).
 `pallas` runs in interpret mode on CPU: it is checked for correctness, never timed here.
+
+`--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
+too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
+XLA:CPU's default dots (YNNPACK in jax 0.10) run each *batched* matmul on one core, which
+caps `chunk` near half the dense rate on this 2-core machine; oneDNN's use every core. It is
+a measurement of that ceiling, not a setting k3jax uses: with it, the toy train step
+(benchmarks/train_step.py) aborted with heap corruption inside XLA's oneDNN thread pool.
 """
 
 from __future__ import annotations
@@ -37,14 +45,23 @@ def best_time(fn, reps):
     return min(times)
 
 
-def dense_matmul_rate(n=2048, reps=5):
+# XLA:CPU compile options per --xla-cpu-dots (the enum is spelled as in its proto).
+XLA_CPU_DOTS = {
+    "default": None,
+    "onednn": {"xla_cpu_use_onednn": True,
+               "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+}
+
+
+def dense_matmul_rate(n=2048, reps=5, compiler_options=None):
     """fp32 FLOP/s of one jitted [n, n] @ [n, n] (HIGHEST precision, as KDA uses)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    mm = jax.jit(lambda x: jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
+    mm = jax.jit(lambda x: jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST),
+                 compiler_options=compiler_options)
     return 2 * n**3 / best_time(lambda: mm(a), reps)
 
 
-def batched_matmul_rate(batch, n, reps=5, inner=50):
+def batched_matmul_rate(batch, n, reps=5, inner=50, compiler_options=None):
     """fp32 FLOP/s of `batch` independent [n, n] @ [n, n] (HIGHEST), `inner` times in one
     jitted loop. With batch = B·H and n = K this is the chunk loop's per-chunk product
     ([W; Q̃] h is [2C, K] @ [K, V], and 2C = K at C = 64): its rate, not the dense one,
@@ -53,7 +70,7 @@ def batched_matmul_rate(batch, n, reps=5, inner=50):
     # Entries of size n^-1/2 keep x's magnitude steady over the chained products.
     b = jax.random.normal(jax.random.key(2), (batch, n, n), jnp.float32) / n**0.5
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def loop(a, b):
         # Each product feeds the next, so XLA can neither hoist nor drop one.
         step = lambda _, x: jnp.einsum("zmk,zkn->zmn", x, b,  # noqa: E731
@@ -136,12 +153,24 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-tokens", type=int, default=1024,
                     help="sequence length for the (linear-time) fla torch references")
+    ap.add_argument("--xla-cpu-dots", choices=sorted(XLA_CPU_DOTS), default="default",
+                    help="XLA:CPU dot library for every timed function (see above)")
     args = ap.parse_args()
     B, H, K, V = args.B, args.H, args.K, args.K
+    opts = XLA_CPU_DOTS[args.xla_cpu_dots]
+    if opts and jax.default_backend() != "cpu":
+        ap.error("--xla-cpu-dots applies to the CPU backend only")
 
-    peak = dense_matmul_rate()
-    batched = batched_matmul_rate(B * H, K)
-    print(f"backend {jax.default_backend()}, {os.cpu_count()} cpus; dense fp32 matmul "
+    try:
+        peak = dense_matmul_rate(compiler_options=opts)
+    except jax.errors.JaxRuntimeError as e:
+        if not opts:
+            raise
+        # experimental options: a newer XLA may have renamed or dropped them
+        ap.error(f"this jaxlib rejects --xla-cpu-dots {args.xla_cpu_dots}: {e}")
+    batched = batched_matmul_rate(B * H, K, compiler_options=opts)
+    dots = f" (XLA:CPU dots: {args.xla_cpu_dots})" if jax.default_backend() == "cpu" else ""
+    print(f"backend {jax.default_backend()}{dots}, {os.cpu_count()} cpus; dense fp32 matmul "
           f"{peak / 1e9:.1f} GFLOP/s; {B * H} batched [{K},{K}]x[{K},{K}] (the chunk loop's "
           f"product) {batched / 1e9:.1f} GFLOP/s = {batched / peak:.2f} of dense")
     print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
@@ -149,9 +178,10 @@ def main():
     if fla is None and not args.no_fla:
         print("fla-core not installed: no torch reference")
 
-    fn = jax.jit(kda, static_argnames=("impl", "chunk_size", "output_final_state"))
+    fn = jax.jit(kda, static_argnames=("impl", "chunk_size", "output_final_state"),
+                 compiler_options=opts)
 
-    @functools.partial(jax.jit, static_argnums=(1, 2))
+    @functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=opts)
     def grad_fn(x, impl, C):
         def loss(x):
             o, h = kda(**x, impl=impl, chunk_size=C, output_final_state=True)
