@@ -2,14 +2,22 @@
 and flash-linear-attention's torch reference on the same inputs.
 
     python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
-                             [--xla-cpu-dots onednn]
+                             [--dtype bfloat16] [--xla-cpu-dots onednn]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3; beside it, the fraction of a
   batched [K, K] matmul's rate, the shape the chunk loop multiplies, measured in the same run),
   chunk / recurrent tokens/s at the longest T (target >= 2),
   chunk / faster of fla's naive_recurrent_kda and naive_chunk_kda (target >= 2.5).
-`pallas` runs in interpret mode on CPU: it is checked for correctness, never timed here.
+Each line also gives the output's relative RMS error against `recurrent` on the same inputs
+(against the first impl listed when `recurrent` is not), so a run on new hardware checks
+the kernels it times. `pallas` runs in interpret mode on CPU: it is checked for correctness
+by the tests, never timed there. On a GPU or TPU it is timed like the others, e.g. the
+KDA issue's device run (an H200):
+
+    python benchmarks/kda.py --T 8192 --H 96 --dtype bfloat16 --impls pallas chunk --grad --no-fla
+
+An impl that fails is reported and skipped; the script then exits non-zero.
 
 `--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
 too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
@@ -25,6 +33,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import sys
 import time
 
 import jax
@@ -78,6 +87,18 @@ def batched_matmul_rate(batch, n, reps=5, inner=50, compiler_options=None):
         return jax.lax.fori_loop(0, inner, step, a)
 
     return inner * 2 * batch * n**3 / best_time(lambda: loop(a, b), reps)
+
+
+def attempt(label, fn, failed):
+    """fn(), or None after printing why it failed (a kernel that does not build or run on
+    this backend), so that one impl's failure does not cost the rest of a device run."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 — any failure is reported, then the run goes on
+        failed.append(" ".join(label.split()))
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"{label} FAILED: {type(e).__name__}: {first}")
+        return None
 
 
 def chunk_flops(T, H, K, V, C):
@@ -147,7 +168,10 @@ def main():
     ap.add_argument("--C", type=int, nargs="+", default=[64, 32, 16],
                     help="chunk sizes for chunk/assoc (the first is the reported one)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--impls", nargs="+", default=["recurrent", "chunk", "assoc"])
+    ap.add_argument("--impls", nargs="+", default=["recurrent", "chunk", "assoc"],
+                    choices=("recurrent", "chunk", "assoc", "pallas"))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the inputs (every impl computes in fp32)")
     ap.add_argument("--grad", action="store_true",
                     help="also time forward+backward (jax.grad of a loss on o) per impl")
     ap.add_argument("--no-fla", action="store_true")
@@ -173,7 +197,11 @@ def main():
     print(f"backend {jax.default_backend()}{dots}, {os.cpu_count()} cpus; dense fp32 matmul "
           f"{peak / 1e9:.1f} GFLOP/s; {B * H} batched [{K},{K}]x[{K},{K}] (the chunk loop's "
           f"product) {batched / 1e9:.1f} GFLOP/s = {batched / peak:.2f} of dense")
-    print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
+    impls = list(args.impls)
+    if jax.default_backend() == "cpu":
+        print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
+        impls = [i for i in impls if i != "pallas"]
+    impls.sort(key=lambda i: i != "recurrent")  # the oracle first: the others' errors are against it
     fla = None if args.no_fla else load_fla_naive()
     if fla is None and not args.no_fla:
         print("fla-core not installed: no torch reference")
@@ -188,20 +216,28 @@ def main():
             return jnp.sum(o * o) + jnp.sum(h)
         return jax.grad(loss)(x)
 
-    results = {}
+    results, failed = {}, []
     if fla is not None:
         # Both torch references cost linear time in T (a Python loop over tokens or over
         # chunks), so one prefix of --fla-tokens tokens gives their tokens/s for every T.
         results["fla"] = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
     for T in args.T:
-        x = {n: jnp.asarray(a) for n, a in make_inputs(B, T, H, K, V).items()}
-        runs = [(impl, C) for impl in args.impls
+        x = {n: jnp.asarray(a, args.dtype) for n, a in make_inputs(B, T, H, K, V).items()}
+        runs = [(impl, C) for impl in impls
                 for C in (args.C if impl in ("chunk", "assoc") else args.C[:1])]
+        ref = ref_key = None
         for impl, C in runs:
             run = lambda: fn(**x, impl=impl, chunk_size=C, output_final_state=True)  # noqa: E731
             reps = args.reps if T <= 4096 else max(1, args.reps - 1)
-            secs = best_time(run, reps)
             key = impl if C == args.C[0] else f"{impl}/C{C}"
+            label = f"T={T:6d} {key:10s} C={C:3d}"
+            secs = attempt(label, lambda: best_time(run, reps), failed)
+            if secs is None:
+                continue
+            o = run()[0].astype(jnp.float32)
+            if ref is None:
+                ref, ref_key = o, key
+            err = float(jnp.sqrt(jnp.mean((o - ref) ** 2) / jnp.mean(ref**2)))
             results[T, key] = B * T / secs
             extra = ""
             if impl == "chunk":
@@ -209,15 +245,17 @@ def main():
                 results[T, key + "_frac"] = rate / peak
                 extra = (f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul, "
                          f"{rate / batched:.2f} of batched")
-            print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}")
-            if args.grad and impl == "recurrent" and T > 4096:
+            print(f"{label} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}"
+                  + (f"  err {err:.1e} vs {ref_key}" if ref_key != key else ""))
+            if args.grad and impl == "recurrent" and B * T * H * K * V * 4 > 4 * 2**30:
                 print(f"T={T:6d} {key:10s} forward+backward not timed: its autodiff keeps "
                       f"every token's state ({B * T * H * K * V * 4 / 2**30:.1f} GiB)")
             elif args.grad:
-                secs = best_time(lambda: grad_fn(x, impl, C), reps)
-                results[T, key + "_grad"] = B * T / secs
-                print(f"T={T:6d} {key:10s} C={C:3d} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s"
-                      "  forward+backward")
+                secs = attempt(label + " forward+backward",
+                               lambda: best_time(lambda: grad_fn(x, impl, C), reps), failed)
+                if secs is not None:
+                    results[T, key + "_grad"] = B * T / secs
+                    print(f"{label} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s  forward+backward")
     Tmax = max(args.T)
     print("--- summary")
     for T in args.T:
@@ -226,7 +264,7 @@ def main():
             line += f"  chunk FLOP fraction {results[T, 'chunk_frac']:.2f} (target >= 0.3)"
         best = max((v, k[1]) for k, v in results.items()
                    if isinstance(k, tuple) and k[0] == T and k[1].startswith("chunk")
-                   and not k[1].endswith("_frac")) if (T, "chunk") in results else None
+                   and not k[1].endswith(("_frac", "_grad"))) if (T, "chunk") in results else None
         if best and best[1] != "chunk":
             line += f"  (fastest: {best[1]})"
         if (T, "recurrent") in results and (T, "chunk") in results:
@@ -238,6 +276,8 @@ def main():
             line += f"  chunk/fla-best {results[T, 'chunk'] / results['fla']:.2f}x (target >= 2.5)"
         print(line)
     print(f"targets at T={Tmax}: chunk/recurrent >= 2x")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
