@@ -15,7 +15,7 @@ the kernels it times. `pallas` runs in interpret mode on CPU: it is checked for 
 by the tests, never timed there. On a GPU or TPU it is timed like the others, e.g. the
 KDA issue's device run (an H200):
 
-    python benchmarks/kda.py --T 8192 --H 96 --dtype bfloat16 --impls pallas chunk --grad --no-fla
+    python benchmarks/kda.py --T 8192 --H 96 --dtype bfloat16 --impls recurrent pallas chunk --grad --no-fla
 
 An impl that fails is reported and skipped; the script then exits non-zero.
 
