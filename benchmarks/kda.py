@@ -23,8 +23,9 @@ An impl that fails is reported and skipped; the script then exits non-zero.
 too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
 XLA:CPU's default dots (YNNPACK in jax 0.10) run each *batched* matmul on one core, which
 caps `chunk` near half the dense rate on this 2-core machine; oneDNN's use every core. It is
-a measurement of that ceiling, not a setting k3jax uses: with it, the toy train step
-(benchmarks/train_step.py) aborted with heap corruption inside XLA's oneDNN thread pool.
+a measurement of that ceiling, not a setting k3jax uses: runs with it abort now and then
+with heap corruption inside XLA's oneDNN thread pool (seen in this script and in
+benchmarks/train_step.py, jaxlib 0.10.2), so rerun one that dies.
 """
 
 from __future__ import annotations
