@@ -2,7 +2,7 @@
 and flash-linear-attention's torch reference on the same inputs.
 
     python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
-                             [--dtype bfloat16] [--xla-cpu-dots onednn]
+                             [--dtype bfloat16] [--gate-lower-bound none] [--xla-cpu-dots onednn]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3; beside it, the fraction of a
@@ -18,6 +18,11 @@ KDA issue's device run (an H200):
     python benchmarks/kda.py --T 8192 --H 96 --dtype bfloat16 --impls recurrent pallas chunk --grad --no-fla
 
 An impl that fails is reported and skipped; the script then exits non-zero.
+
+The gates are K3's "safe" gate, g = -5·sigmoid(·), and every impl is told so
+(`gate_lower_bound=-5`, as K3's layers do), which lets `chunk` and `assoc` score 16-token
+sub-chunks in one matmul each. `--gate-lower-bound none` times the path for gates with no
+lower bound (Kimi-Linear's softplus gate) on the same inputs.
 
 `--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
 too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
@@ -111,6 +116,10 @@ def chunk_flops(T, H, K, V, C):
     return H * n * per_chunk
 
 
+# K3's linear_attn_config.gate_lower_bound: make_inputs draws g in (K3_GATE_LOWER_BOUND, 0).
+K3_GATE_LOWER_BOUND = -5.0
+
+
 def make_inputs(B, T, H, K, V, seed=0):
     rng = np.random.default_rng(seed)
     norm = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
@@ -118,7 +127,7 @@ def make_inputs(B, T, H, K, V, seed=0):
         q=norm(rng.standard_normal((B, T, H, K))).astype(np.float32),
         k=norm(rng.standard_normal((B, T, H, K))).astype(np.float32),
         v=rng.standard_normal((B, T, H, V)).astype(np.float32),
-        g=(-5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, H, K))))).astype(np.float32),
+        g=(K3_GATE_LOWER_BOUND / (1.0 + np.exp(-2.0 * rng.standard_normal((B, T, H, K))))).astype(np.float32),
         beta=(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H))))).astype(np.float32),
     )
 
@@ -180,7 +189,13 @@ def main():
                     help="sequence length for the (linear-time) fla torch references")
     ap.add_argument("--xla-cpu-dots", choices=sorted(XLA_CPU_DOTS), default="default",
                     help="XLA:CPU dot library for every timed function (see above)")
+    ap.add_argument("--gate-lower-bound", type=lambda s: None if s == "none" else float(s),
+                    default=K3_GATE_LOWER_BOUND,
+                    help="the gate bound every impl is told ('none': no bound; see above)")
     args = ap.parse_args()
+    lb = args.gate_lower_bound
+    if lb is not None and lb > K3_GATE_LOWER_BOUND:
+        ap.error(f"the inputs' gates reach down to {K3_GATE_LOWER_BOUND}: a bound above it is false")
     B, H, K, V = args.B, args.H, args.K, args.K
     opts = XLA_CPU_DOTS[args.xla_cpu_dots]
     if opts and jax.default_backend() != "cpu":
@@ -198,6 +213,7 @@ def main():
     print(f"backend {jax.default_backend()}{dots}, {os.cpu_count()} cpus; dense fp32 matmul "
           f"{peak / 1e9:.1f} GFLOP/s; {B * H} batched [{K},{K}]x[{K},{K}] (the chunk loop's "
           f"product) {batched / 1e9:.1f} GFLOP/s = {batched / peak:.2f} of dense")
+    print(f"gates in ({K3_GATE_LOWER_BOUND:g}, 0); impls told gate_lower_bound={lb}")
     impls = list(args.impls)
     if jax.default_backend() == "cpu":
         print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
@@ -207,13 +223,13 @@ def main():
     if fla is None and not args.no_fla:
         print("fla-core not installed: no torch reference")
 
-    fn = jax.jit(kda, static_argnames=("impl", "chunk_size", "output_final_state"),
-                 compiler_options=opts)
+    fn = jax.jit(functools.partial(kda, gate_lower_bound=lb),
+                 static_argnames=("impl", "chunk_size", "output_final_state"), compiler_options=opts)
 
     @functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=opts)
     def grad_fn(x, impl, C):
         def loss(x):
-            o, h = kda(**x, impl=impl, chunk_size=C, output_final_state=True)
+            o, h = kda(**x, impl=impl, chunk_size=C, output_final_state=True, gate_lower_bound=lb)
             return jnp.sum(o * o) + jnp.sum(h)
         return jax.grad(loss)(x)
 

@@ -231,6 +231,47 @@ def test_gradients_finite_with_extreme_gates():
         assert np.all(np.isfinite(gr))
 
 
+# (T, H, K, chunk_size, gate, gate_lower_bound): K3's bound with its gates spread and
+# piled at the floor, a chunk that is not a power of two, and every g exactly at a weaker
+# bound (one leaf spans the whole chunk).
+BOUNDED_CASES = [(200, 2, 64, 64, "near5", -5.0), (130, 1, 32, 48, "safe", -5.0),
+                 (90, 2, 16, 32, "at_bound", -1.0)]
+
+
+@pytest.mark.parametrize("T,H,K,C,gate,lb", BOUNDED_CASES)
+def test_gate_lower_bound_matches_recurrent(T, H, K, C, gate, lb):
+    """With the promise g >= lb, chunk and assoc score sub-chunks through one reference
+    token (exponents up to (s-1)|lb|, not <= 0): values, final state and every gradient
+    must still match the oracle, which is not told the bound."""
+    B = 2
+    x = make_inputs(T + C, B, T, H, K, gate="safe" if gate == "at_bound" else gate)
+    if gate == "at_bound":
+        x["g"] = np.full_like(x["g"], lb)
+    assert x["g"].min() >= lb
+    h0 = make_state(T, B, H, K, K)
+    seg = make_segments(T, B, T, C)
+    rng = np.random.default_rng(6)
+    r_o = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    r_s = rng.standard_normal((B, H, K, K)).astype(np.float32)
+
+    def outputs_and_grads(impl, bound):
+        def loss(q, k, v, g, beta, h0):
+            o, s = kda(q, k, v, g, beta, initial_state=h0, segment_ids=seg, output_final_state=True,
+                       impl=impl, chunk_size=C, gate_lower_bound=bound)
+            return jnp.sum(o * r_o) + jnp.sum(s * r_s), (o, s)
+
+        (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+            *x.values(), h0)
+        return (o, s, *grads)
+
+    ref = outputs_and_grads("recurrent", None)
+    for impl in ("chunk", "assoc"):
+        got = outputs_and_grads(impl, lb)
+        for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref):
+            assert np.all(np.isfinite(a)), (impl, name)
+            assert rel_rms(a, b) <= 1e-4, (impl, name, rel_rms(a, b))
+
+
 # ---------------------------------------------------------------------------------------
 # decode step, dtypes, associative form
 
@@ -366,6 +407,9 @@ def test_bad_arguments_raise_clear_errors():
         kda(**x, impl="triton")
     with pytest.raises(ValueError, match="chunk_size"):
         kda(**x, chunk_size=0)
+    for bound in (0.0, 2.0, -np.inf, True, "-5", np.ones(1, np.float32)):
+        with pytest.raises(ValueError, match="gate_lower_bound"):
+            kda(**x, gate_lower_bound=bound)
     for name, bad in [
         ("k", x["k"][:, :, :1]),
         ("v", x["v"][:, :5]),

@@ -81,6 +81,7 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
             def local(q, k, v, g, beta, *seg):
                 return context_parallel_kda(q, k, v, g, beta, axis_name=axis, chunk_size=chunk,
                                             impl=cfg.runtime.kda_impl,
+                                            gate_lower_bound=cfg.gate_lower_bound,
                                             segment_ids=seg[0] if seg else None)[0]
 
             args, specs = (q, k, v, g, beta), (per_channel,) * 4 + (per_head,)
@@ -90,7 +91,7 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
             return jax.shard_map(local, in_specs=specs, out_specs=per_channel,
                                  check_vma=cfg.runtime.kda_impl != "pallas")(*args)
     o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
-                       chunk_size=cfg.runtime.kda_chunk_size)
+                       chunk_size=cfg.runtime.kda_chunk_size, gate_lower_bound=cfg.gate_lower_bound)
     return o
 
 
@@ -160,7 +161,8 @@ class KimiDeltaAttention(nn.Module):
                 o = o[:, None]
             else:
                 o, state = kda_ops.kda(q, k, v, g, beta, initial_state=cache["state"], output_final_state=True,
-                                       impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk_size)
+                                       impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk_size,
+                                       gate_lower_bound=cfg.gate_lower_bound)
             new_cache["state"] = state
 
         if cfg.use_full_rank_gate:

@@ -19,6 +19,8 @@ Context parallelism over a mesh axis is `kda_scan.context_parallel_kda`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -93,6 +95,7 @@ def kda(
     segment_ids=None,
     impl="chunk",
     chunk_size=64,
+    gate_lower_bound=None,
 ):
     """Kimi Delta Attention over a sequence.
 
@@ -110,24 +113,38 @@ def kda(
       chunk_size: tokens per chunk for the chunked impls; T need not be a multiple of it.
         "pallas" needs a power of two >= 16 here; it runs other head dims zero-padded
         to the next power of two >= 16 (exact, at the padded size's cost).
+      gate_lower_bound: None, or a negative number the caller promises every g is >= to
+        (K3's "safe" gate, `linear_attn_config.gate_lower_bound`). "chunk" and "assoc"
+        then score 16-token sub-chunks (at lb = -5) through one reference token instead
+        of halving them down to single tokens, which is faster and as accurate; g below
+        the bound can overflow there. The other impls need no promise and ignore it.
 
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
     """
     out_dtype = v.dtype
     (q, k, v, g, beta), h0, reset, scale = prepare(q, k, v, g, beta, scale, initial_state,
-                                                   segment_ids, impl, chunk_size)
-    o, h = run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size)
+                                                   segment_ids, impl, chunk_size, gate_lower_bound)
+    o, h = run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size,
+                    gate_lower_bound=gate_lower_bound)
     return o.astype(out_dtype), (h if output_final_state else None)
 
 
-def prepare(q, k, v, g, beta, scale, initial_state, segment_ids, impl, chunk_size):
+def prepare(q, k, v, g, beta, scale, initial_state, segment_ids, impl, chunk_size,
+            gate_lower_bound=None):
     """Checks `kda`'s arguments and brings them to what every impl takes: fp32 (q, k, v, g,
     beta), the initial state (zeros if None), reset [B, T] bool and the fp32 scale for q."""
     if impl not in IMPLS:
         raise ValueError(f"kda: unknown impl {impl!r}; expected one of {IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"kda: chunk_size must be a positive int, got {chunk_size!r}")
+    if gate_lower_bound is not None and not (
+        isinstance(gate_lower_bound, (int, float)) and not isinstance(gate_lower_bound, bool)
+        and -math.inf < gate_lower_bound < 0
+    ):
+        # A Python number: it picks the algorithm at trace time.
+        raise ValueError(f"kda: gate_lower_bound must be None or a finite negative number, "
+                         f"got {gate_lower_bound!r}")
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
@@ -155,7 +172,8 @@ def _varying_like(x, *refs):
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True):
+def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True,
+             gate_lower_bound=None):
     """One impl on prepared inputs: fp32, h0 [B, H, K, V], reset [B, T] bool, q's scale.
     Returns (o, final state), both fp32. With outputs=False o is None: `chunk` then does
     only the state's work; the other impls compute o and drop it."""
@@ -164,12 +182,12 @@ def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True)
         # Scaled block by block, inside the loop: scaling the whole q up front is a full
         # extra pass over [B, T, H, K] in memory (3-7% of the forward at 16k on CPU).
         return kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, scale, chunk_size,
-                                   kda_chunk.CHUNKS_PER_BLOCK, outputs)
+                                   kda_chunk.CHUNKS_PER_BLOCK, outputs, gate_lower_bound)
     q = q * scale
     if impl == "recurrent":
         o, h = _recurrent(q, k, v, g, beta, h0, reset)
     elif impl == "assoc":
-        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size)
+        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size, gate_lower_bound)
     else:
         from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
 

@@ -59,32 +59,74 @@ def _to_chunks(x, n_chunks, chunk_size):
     return jnp.moveaxis(x, 3, 1)
 
 
-def _intra_chunk_scores(q, k, G):
+# Largest |exponent| a bounded gate may put into one score factor (below). e^80 ≈ 5.5e34
+# leaves fp32 (max 3.4e38) four decades for the sizes of q and k.
+_MAX_FACTOR_EXPONENT = 80.0
+
+
+def score_leaf(gate_lower_bound, chunk_size):
+    """Tokens per leaf block of _intra_chunk_scores: 1 for a gate with no lower bound, else
+    the largest power of two s (at most the chunk, padded to a power of two) with
+    (s − 1)·|lb| <= _MAX_FACTOR_EXPONENT — 16 for K3's lb = −5."""
+    pow2 = 1 << (chunk_size - 1).bit_length()
+    if gate_lower_bound is None:
+        return 1
+    s = 1
+    while 2 * s <= pow2 and (2 * s - 1) * -gate_lower_bound <= _MAX_FACTOR_EXPONENT:
+        s *= 2
+    return s
+
+
+def _rows_dot_cols(a, b, col):
+    """(a colᵀ, b colᵀ) as one matmul: a and b stacked by rows. Two matmuls of these small
+    shapes cost XLA:CPU more than one of twice the rows (5% of the 16k forward)."""
+    n = a.shape[-2]
+    both = _einsum("...ik,...jk->...ij", jnp.concatenate([a, b], axis=-2), col)
+    return both[..., :n, :], both[..., n:, :]
+
+
+def _intra_chunk_scores(q, k, G, leaf=1):
     """Pairwise scores x_i·(k_j ⊙ e^{G_i−G_j}) for x = q and x = k, i >= j, [..., C, C].
 
-    Entries with j > i are zero; the caller applies the causal / same-document masks.
+    Entries with j > i are not meaningful (zero, or finite values inside leaf blocks); the
+    caller applies the causal / same-document masks.
     Recursive halving: in a block of b tokens, every pair (i in the upper half, j in the
     lower half) factors through the upper half's first token m (j < m <= i) as
     e^{G_i−G_m} · e^{G_m−G_j}, both e^{<=0}, so the whole off-diagonal quadrant is one
     matmul; the two halves recurse. Every exponent is <= 0 for any gate, the FLOPs are
     those of one half C×C×K product, and there are log2(C) exps per element of q and k
     (an elementwise [C, C, K] decay tensor would need C, and is memory-bound on CPU).
+
+    A gate bounded below (g >= lb, K3's "safe" gate) allows leaf blocks of `leaf` tokens
+    (score_leaf): each is one matmul through its middle token, whose factors e^{±≤(leaf/2)|lb|}
+    and products e^{≤(leaf−1)|lb|} stay finite in fp32. That replaces the recursion's
+    smallest levels, whose tiny matmuls cost far more than their FLOPs (16-token leaves:
+    ~7% of the 16k forward on CPU).
     """
     *lead, b, K = k.shape
     if b == 1:
         return jnp.sum(q * k, -1)[..., None], jnp.sum(k * k, -1)[..., None]
+    if b <= leaf:
+        m = G[..., b // 2 : b // 2 + 1, :]
+        row = jnp.exp(G - m)
+        col = k * jnp.exp(m - G)
+        # The diagonal (i = j) does not depend on G. Through the factors its O(1) terms
+        # would reach dG twice with opposite signs, and under strong decay (dg ~ e^-5)
+        # their rounding cost dg ~5e-5 relative accuracy.
+        diag = jnp.eye(b, dtype=bool)
+        s_q, s_k = _rows_dot_cols(q * row, k * row, col)
+        return tuple(jnp.where(diag, jnp.sum(x * k, -1)[..., None], s) for x, s in ((q, s_q), (k, s_k)))
     h = b // 2
     halves = lambda x: x.reshape(*lead, 2, h, K)  # noqa: E731
     q2, k2, G2 = halves(q), halves(k), halves(G)
     m = G2[..., 1, :1, :]
     row = jnp.exp(G2[..., 1, :, :] - m)  # upper half, e^{G_i − G_m}
     col = k2[..., 0, :, :] * jnp.exp(m - G2[..., 0, :, :])  # lower half, e^{G_m − G_j}
-    off_q = _einsum("...ik,...jk->...ij", q2[..., 1, :, :] * row, col)
-    off_k = _einsum("...ik,...jk->...ij", k2[..., 1, :, :] * row, col)
+    off_q, off_k = _rows_dot_cols(q2[..., 1, :, :] * row, k2[..., 1, :, :] * row, col)
     # Recurse on a flat batch: nesting [..., 2, 2, ..., h, K] would grow the rank with
     # log2(C), and XLA:CPU aborts on rank-8 fusions (C = 128).
     fold = lambda x: x.reshape(-1, h, K)  # noqa: E731
-    in_q, in_k = _intra_chunk_scores(fold(q2), fold(k2), fold(G2))
+    in_q, in_k = _intra_chunk_scores(fold(q2), fold(k2), fold(G2), leaf)
     in_q, in_k = (x.reshape(*lead, 2, h, h) for x in (in_q, in_k))
 
     def assemble(off, inner):
@@ -164,11 +206,12 @@ def unit_lower_inverse(a):
     return inv
 
 
-def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
+def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> ChunkTerms:
     """Everything about each chunk that does not depend on its incoming state.
 
     q, k [B,T,H,K], v [B,T,H,V], g [B,T,H,K], beta [B,T,H] fp32 (q pre-scaled);
-    reset [B,T] bool. T is zero-padded up to a multiple of chunk_size: a padded token
+    reset [B,T] bool; gate_lower_bound: None, or a promise that g >= it everywhere
+    (score_leaf). T is zero-padded up to a multiple of chunk_size: a padded token
     has g = 0 and β = 0, so it neither decays nor writes the state, and q = 0 reads nothing.
     """
     B, T, H, _ = q.shape
@@ -201,11 +244,13 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size) -> ChunkTerms:
     G = _einsum("zij,zjk->zik", jnp.broadcast_to(tril, (g.shape[0], chunk_size, chunk_size)), g)
     G_last = G[..., -1:, :]
     pow2 = 1 << (chunk_size - 1).bit_length()  # the halving recursion wants a power of two
+    leaf = score_leaf(gate_lower_bound, chunk_size)
     if pow2 == chunk_size:
-        p_raw, a_raw = _intra_chunk_scores(q, k, G)
+        p_raw, a_raw = _intra_chunk_scores(q, k, G, leaf)
     else:  # pad with k = 0 tokens (no scores) that do not decay, then drop them
         pad = [(0, 0), (0, pow2 - chunk_size), (0, 0)]
-        p_raw, a_raw = _intra_chunk_scores(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(G, pad, mode="edge"))
+        p_raw, a_raw = _intra_chunk_scores(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(G, pad, mode="edge"),
+                                           leaf)
         p_raw, a_raw = p_raw[:, :chunk_size, :chunk_size], a_raw[:, :chunk_size, :chunk_size]
     causal = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool))
     strict = jnp.tril(jnp.ones((chunk_size, chunk_size), dtype=bool), k=-1)
@@ -261,13 +306,13 @@ class _Blocks(NamedTuple):
         return jax.lax.dynamic_update_slice_in_dim(buf, x, i * self.L, axis=1)
 
 
-def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True):
+def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True, gate_lower_bound=None):
     """One block of chunks: inputs [B, L, H, ·] (q not yet scaled) and its incoming state
     h [B, H, K, V] to (outgoing state, outputs [B, L, H, V], or None without `outputs`).
     Its chunks' state-independent terms come from one batched pass, the state walks
     through them, and the outputs come from one more."""
     B, L, H, _ = q.shape
-    c = chunk_terms(q * scale, k, v, g, beta, reset, chunk_size)  # each [B, H, S, ...]
+    c = chunk_terms(q * scale, k, v, g, beta, reset, chunk_size, gate_lower_bound)  # each [B, H, S, ...]
     outs = []
     for s in range(L // chunk_size):
         wq = c.w[:, :, s]
@@ -286,7 +331,7 @@ def _block(q, k, v, g, beta, reset, h, scale, chunk_size, outputs=True):
 
 
 def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block,
-                     keep_states=False, outputs=True):
+                     keep_states=False, outputs=True, gate_lower_bound=None):
     """A loop over blocks of `chunks_per_block` chunks (_block). Blocking keeps every
     intermediate of a step in cache: building the terms for the whole sequence at once
     makes each of the many elementwise passes stream the full [B,H,N,C,K] tensors through
@@ -304,7 +349,7 @@ def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, 
         h, o, states = carry
         if keep_states:
             states = states.at[i].set(h)
-        h, ob = _block(*(blk.take(x, i) for x in xs), h, scale, chunk_size, outputs)
+        h, ob = _block(*(blk.take(x, i) for x in xs), h, scale, chunk_size, outputs, gate_lower_bound)
         return h, (blk.put(o, ob, i) if outputs else o), states
 
     o = jnp.zeros_like(xs[2]) if outputs else None  # varies like v inside a shard_map
@@ -314,7 +359,7 @@ def _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size, 
 
 
 def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size,
-                      chunks_per_block, outputs=True):
+                      chunks_per_block, outputs=True, gate_lower_bound=None):
     """The gradient, block by block in reverse: each block's forward is recomputed from its
     stored incoming state and differentiated there, carrying dL/dh backwards. Like the
     forward it stays in cache, and it keeps nothing per chunk beyond one block's terms.
@@ -328,7 +373,8 @@ def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size
     def step(j, carry):
         dh, dscale, grads = carry
         i = blk.n - 1 - j
-        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], a[6], chunk_size, outputs),
+        _, vjp = jax.vjp(lambda *a: _block(*a[:5], blk.take(r, i), a[5], a[6], chunk_size, outputs,
+                                           gate_lower_bound),
                          *(blk.take(x, i) for x in xs), states[i], scale)
         *dxb, dh, ds = vjp((dh, blk.take(do, i) if outputs else None))
         return dh, dscale + ds, tuple(blk.put(buf, d, i) for buf, d in zip(grads, dxb))
@@ -338,33 +384,35 @@ def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size
     return tuple(d[:, :T] for d in grads) + (dh0, dscale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-              chunks_per_block=CHUNKS_PER_BLOCK, outputs=True):
+              chunks_per_block=CHUNKS_PER_BLOCK, outputs=True, gate_lower_bound=None):
     """Chunkwise KDA. fp32 in and out, q unscaled and `scale` a fp32 scalar; returns
     (o [B,T,H,V], final state [B,H,K,V]). With outputs=False only the final state is
     computed (o is None, and XLA drops the terms made from q): the context-parallel pass
-    that finds a segment's transition needs nothing else.
+    that finds a segment's transition needs nothing else. gate_lower_bound: see
+    chunk_terms.
 
     Forward and backward both run block by block (_blocked_forward, _blocked_backward);
     tests/test_kda_op.py holds both to the recurrent oracle.
     """
     o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-                               chunks_per_block, outputs=outputs)
+                               chunks_per_block, outputs=outputs, gate_lower_bound=gate_lower_bound)
     return o, h
 
 
 def _chunk_kda_fwd(q, k, v, g, beta, initial_state, reset, scale, chunk_size, chunks_per_block,
-                   outputs):
+                   outputs, gate_lower_bound):
     o, h, states = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-                                    chunks_per_block, keep_states=True, outputs=outputs)
+                                    chunks_per_block, keep_states=True, outputs=outputs,
+                                    gate_lower_bound=gate_lower_bound)
     return (o, h), (q, k, v, g, beta, reset, scale, states)
 
 
-def _chunk_kda_bwd(chunk_size, chunks_per_block, outputs, res, cotangents):
+def _chunk_kda_bwd(chunk_size, chunks_per_block, outputs, gate_lower_bound, res, cotangents):
     q, k, v, g, beta, reset, scale, states = res
     *grads, dh0, dscale = _blocked_backward(q, k, v, g, beta, reset, scale, states, *cotangents,
-                                            chunk_size, chunks_per_block, outputs)
+                                            chunk_size, chunks_per_block, outputs, gate_lower_bound)
     return (*grads, dh0, np.zeros(reset.shape, jax.dtypes.float0), dscale)
 
 

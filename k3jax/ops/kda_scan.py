@@ -83,10 +83,10 @@ def _untile(o, T):
     return jnp.transpose(o, (0, 2, 3, 1, 4)).reshape(B, N * C, H, V)[:, :T]
 
 
-def assoc_kda(q, k, v, g, beta, initial_state, reset, chunk_size):
+def assoc_kda(q, k, v, g, beta, initial_state, reset, chunk_size, gate_lower_bound=None):
     """Chunkwise KDA with an associative scan over chunks; fp32 in and out."""
     T = q.shape[1]
-    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size)
+    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound)
     o, h = _local_scan(terms, initial_state, _prefix(terms))
     return _untile(o, T), h
 
@@ -105,6 +105,7 @@ def context_parallel_kda(
     segment_ids=None,
     impl="chunk",
     chunk_size=64,
+    gate_lower_bound=None,
 ):
     """`kda` on this device's slice of the time axis, inside `jax.shard_map`.
 
@@ -129,12 +130,14 @@ def context_parallel_kda(
     out_dtype = v.dtype
     # reset never marks the local t = 0 ...
     (q, k, v, g, beta), h0, reset, scale = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
-                                                           segment_ids, impl, chunk_size)
+                                                           segment_ids, impl, chunk_size,
+                                                           gate_lower_bound)
     B, T, H, K = q.shape
     V = v.shape[-1]
 
     def run(v, h, outputs=True):
-        return kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size, outputs)
+        return kda_mod.run_impl(impl, q, k, v, g, beta, h, reset, scale, chunk_size, outputs,
+                                gate_lower_bound)
 
     idx = jax.lax.axis_index(axis_name)
     keep = jnp.ones((B,), jnp.float32)  # ... so a document starting there zeroes h instead
