@@ -171,7 +171,7 @@ def test_pallas_rejects_unsupported_chunk_size():
 # context parallelism
 
 
-def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl):
+def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl, gate_lower_bound=None):
     # Auto axes: shard_map reshards the unsharded test inputs onto the mesh itself.
     mesh = jax.make_mesh((n_dev,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:n_dev])
@@ -180,7 +180,7 @@ def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl):
     def local(q, k, v, g, beta, h0, seg):
         return context_parallel_kda(q, k, v, g, beta, axis_name="context", initial_state=h0,
                                     segment_ids=seg, output_final_state=True, chunk_size=C,
-                                    impl=impl)
+                                    impl=impl, gate_lower_bound=gate_lower_bound)
 
     # The final state is computed identically on every device from all-gathered data,
     # but the type system cannot see that; it is replicated by construction.
@@ -196,23 +196,24 @@ def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl):
     return (o, s) + grads
 
 
-@pytest.mark.parametrize("n_dev,T,C,impl", [
-    (2, 96, 32, "chunk"), (4, 200, 16, "chunk"), (8, 128, 16, "chunk"),
-    (2, 96, 32, "pallas"), (4, 200, 16, "assoc")])
-def test_context_parallel_equals_single_device(n_dev, T, C, impl):
+@pytest.mark.parametrize("n_dev,T,C,impl,lb", [
+    (2, 96, 32, "chunk", None), (4, 200, 16, "chunk", None), (8, 128, 16, "chunk", None),
+    (2, 96, 32, "pallas", None), (4, 200, 16, "assoc", None), (4, 200, 32, "chunk", -5.0)])
+def test_context_parallel_equals_single_device(n_dev, T, C, impl, lb):
     """Per-device T = 48, 50, 16: chunk-aligned, ragged (padding mid-sequence) and one chunk.
     Segment boundaries fall exactly on the first device edges (a document starting at a
     device's first token) and at random places inside devices. Each device runs `impl`
-    locally; the oracle is the single-device recurrence."""
+    locally (told K3's gate bound in the last case); the oracle is the single-device
+    recurrence."""
     if len(jax.devices()) < n_dev:
         pytest.skip(f"needs {n_dev} devices, have {len(jax.devices())} (tests/conftest.py sets 8)")
     B, H, K = 2, 2, 16
-    x = make_inputs(n_dev, B, T, H, K, gate="softplus")
+    x = make_inputs(n_dev, B, T, H, K, gate="softplus" if lb is None else "near5")
     h0 = make_state(n_dev, B, H, K, K)
     seg = make_segments(n_dev, B, T, T // n_dev)  # boundaries at the first device edges
     r_o, r_s = _cotangents(B, T, H, K, K)
     ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
-    got = _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl)
+    got = _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl, lb)
     for name, a, b in zip(NAMES, got, ref):
         assert np.all(np.isfinite(a)), name
         assert rel_rms(a, b) <= 1e-4, (name, n_dev, rel_rms(a, b))
