@@ -231,17 +231,18 @@ def _export(platform):
     args = (f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H, K), f32(B, T, H),
             f32(B, H, K, K), jax.ShapeDtypeStruct((B, T), jnp.bool_))
 
-    def fwd(*a):
-        return pallas_kda(*a, C)
+    def fwd(*a, lb=None):
+        return pallas_kda(*a, C, gate_lower_bound=lb)
 
-    def grad(*a):
-        return jax.grad(lambda *b: sum(jnp.sum(y) for y in fwd(*b)), argnums=tuple(range(6)))(*a)
+    def grad(*a, lb=None):
+        return jax.grad(lambda *b: sum(jnp.sum(y) for y in fwd(*b, lb=lb)), argnums=tuple(range(6)))(*a)
 
     # Triton kernels travel as a custom call without a serialisation-stability guarantee;
     # export refuses those unless told that this artefact is for this jaxlib only.
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     texts = []
-    for fn in (fwd, grad):
+    # Without a gate bound, and with K3's (diagonal score blocks as single matmuls).
+    for fn in (fwd, grad, functools.partial(fwd, lb=-5.0), functools.partial(grad, lb=-5.0)):
         try:
             exp = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
         except (ImportError, NotImplementedError) as e:

@@ -116,8 +116,9 @@ def kda(
       gate_lower_bound: None, or a negative number the caller promises every g is >= to
         (K3's "safe" gate, `linear_attn_config.gate_lower_bound`). "chunk" and "assoc"
         then score 16-token sub-chunks (at lb = -5) through one reference token instead
-        of halving them down to single tokens, which is faster and as accurate; g below
-        the bound can overflow there. The other impls need no promise and ignore it.
+        of halving them down to single tokens, and "pallas" its 16-token diagonal blocks
+        in one matmul each instead of 16 column steps: faster and as accurate; g below
+        the bound can overflow there. "recurrent" needs no promise and ignores it.
 
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
@@ -191,7 +192,7 @@ def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True,
     else:
         from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
 
-        o, h = pallas_kda(q, k, v, g, beta, h0, reset, chunk_size)
+        o, h = pallas_kda(q, k, v, g, beta, h0, reset, chunk_size, gate_lower_bound=gate_lower_bound)
     return (o if outputs else None), h
 
 

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops import kda_chunk
 from pallas_kernels.kda import bwd, bwd_terms, fwd
 
 SUB = fwd.SUB
@@ -61,30 +62,30 @@ def _masks(reset, n_chunks, chunk_size):
     return tuple(m.astype(jnp.float32) for m in (same, sees_in, reaches_out))
 
 
-def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
+def _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout, bounded):
     B, T, H, K = q.shape
     n_chunks = max(1, -(-T // chunk_size))
     t_pad = n_chunks * chunk_size
     ins = [_to_kernel(x, t_pad) for x in (q, k, v, g, beta[..., None])]
     terms = _run(fwd.chunk_terms, *ins, *_masks(reset, n_chunks, chunk_size), heads=H,
-                 chunk_size=chunk_size, mode=mode)
+                 chunk_size=chunk_size, mode=mode, bounded=bounded)
     h0z = h0.reshape(B * H, K, v.shape[-1])
     o, hs, ht = _run(fwd.recurrence, *terms, h0z, chunk_size=chunk_size, mode=mode, layout=layout)
     return _from_kernel(o, B, T), ht.reshape(h0.shape), hs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _kda(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
-    o, ht, _ = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _kda(q, k, v, g, beta, h0, reset, chunk_size, mode, layout, bounded):
+    o, ht, _ = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout, bounded)
     return o, ht
 
 
-def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode, layout):
-    o, ht, hs = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout)
+def _kda_fwd(q, k, v, g, beta, h0, reset, chunk_size, mode, layout, bounded):
+    o, ht, hs = _forward(q, k, v, g, beta, h0, reset, chunk_size, mode, layout, bounded)
     return (o, ht), (q, k, v, g, beta, reset, hs)
 
 
-def _kda_bwd(chunk_size, mode, layout, res, cts):
+def _kda_bwd(chunk_size, mode, layout, bounded, res, cts):
     q, k, v, g, beta, reset, hs = res
     do, dht = cts
     B, T, H, K = q.shape
@@ -94,12 +95,13 @@ def _kda_bwd(chunk_size, mode, layout, res, cts):
     ins = [_to_kernel(x, t_pad) for x in (q, k, v, g, beta[..., None])]
     masks = _masks(reset > 0, n_chunks, chunk_size)
     # The chunk terms are recomputed (parallel over chunks) rather than kept from the forward.
-    terms = _run(fwd.chunk_terms, *ins, *masks, heads=H, chunk_size=chunk_size, mode=mode)
+    terms = _run(fwd.chunk_terms, *ins, *masks, heads=H, chunk_size=chunk_size, mode=mode,
+                 bounded=bounded)
     d_terms = _run(bwd.recurrence_bwd, *terms, hs, _to_kernel(do.astype(jnp.float32), t_pad),
                    dht.reshape(B * H, K, V), chunk_size=chunk_size, mode=mode, layout=layout)
     *d_terms, dh0 = d_terms
     dq, dk, dv, dg, dbeta = _run(bwd_terms.chunk_terms_bwd, *ins, *masks, *d_terms, heads=H,
-                                 chunk_size=chunk_size, mode=mode)
+                                 chunk_size=chunk_size, mode=mode, bounded=bounded)
     d_in = [_from_kernel(x, B, T) for x in (dq, dk, dv, dg, dbeta)]
     d_in[4] = d_in[4][..., 0]
     return (*d_in, dh0.reshape(B, H, K, V), jnp.zeros_like(reset))
@@ -108,10 +110,14 @@ def _kda_bwd(chunk_size, mode, layout, res, cts):
 _kda.defvjp(_kda_fwd, _kda_bwd)
 
 
-def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", layout=None):
+def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", layout=None,
+               gate_lower_bound=None):
     """KDA through the Pallas kernels. fp32 in and out; returns (o [B,T,H,V], final state).
 
     chunk_size must be a multiple of 16 and a power of two (Triton block shapes).
+    gate_lower_bound: as for k3jax.ops.kda.kda; where it is tight enough for a 16-token
+    sub-chunk (K3's -5), its diagonal score blocks take one matmul each, forward and
+    backward, instead of 16 column steps.
     mode: "auto" (interpret on CPU, Mosaic on TPU, Triton on GPU, decided per lowering
     platform), or one of "interpret", "tpu", "triton" to force it.
     layout: the state loop's kernel layout, "stream" or "loop"; None picks per mode
@@ -139,7 +145,8 @@ def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", 
         v = widen(v, -1, Vp - V)
         initial_state = widen(widen(initial_state, -1, Vp - V), -2, Kp - K)
     reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
-    o, h = _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout)
+    bounded = kda_chunk.score_leaf(gate_lower_bound, SUB) >= SUB
+    o, h = _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout, bounded)
     return o[..., :V], h[..., :K, :V]
 
 

@@ -18,18 +18,21 @@ Portability rules as in fwd.py (2-D values, no value slicing, matmul dims >= 16)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, chunk_specs, dot, dot_nt,
                                     dot_tn, offdiag_factors, pair_scores, selector,
-                                    unit_lower_inverse)
+                                    sub_chunk_factors, unit_lower_inverse)
 
 
-def _decayed_products(G, pairs_row, pairs_col):
+def _decayed_products(G, pairs_row, pairs_col, bounded):
     """Rw(D, Y) for each (D, Y) in pairs_row, and Σ Cl(D, X) over pairs_col, over the pairs
     strictly below the diagonal (i > j); every D is [C, C] and zero above the diagonal.
+    Under a bounded gate the diagonal blocks go through fwd.sub_chunk_factors.
     Returns ([rw, ...], cl), [C, K] each."""
     C, K = G.shape
     rw = [jnp.zeros((C, K), jnp.float32) for _ in pairs_row]
@@ -49,6 +52,14 @@ def _decayed_products(G, pairs_row, pairs_col):
         G_I = pick(G)
         rows_d = [(dot(pick(d), sel), pick(y)) for d, y in pairs_row]  # D_II, Y_I
         cols_d = [(dot(pick(d), sel), pick(x)) for d, x in pairs_col]
+        if bounded:
+            row_f, col_f = sub_chunk_factors(G_I)
+            below = s_idx > s_col
+            rw = [r + dot(sel, row_f * dot(jnp.where(below, d, 0.0), y * col_f))
+                  for r, (d, y) in zip(rw, rows_d)]
+            for d, x in cols_d:
+                cl = cl + dot(sel, col_f * dot_tn(jnp.where(below, d, 0.0), x * row_f))
+            continue
 
         def column(j, acc, G_I=G_I, rows_d=rows_d, cols_d=cols_d):
             rw_I, cl_I = acc
@@ -70,7 +81,7 @@ def _decayed_products(G, pairs_row, pairs_col):
 
 def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
                       dqd_ref, dp_ref, dw_ref, du_ref, dkt_ref, ddec_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, db_ref):
+                      dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, bounded):
     C, K = q_ref.shape
     q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
     beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
@@ -84,7 +95,7 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     G_last = _row(G, C - 1)  # [1, K]
 
     # Recompute the forward terms the cotangents flow through.
-    p_raw, a_raw = pair_scores(q, k, q_ref, k_ref, g, G)
+    p_raw, a_raw = pair_scores(q, k, q_ref, k_ref, g, G, bounded)
     strict_same = jnp.where(row > col, same, 0.0)
     inv = unit_lower_inverse(a_raw * strict_same * beta)
     eG = jnp.exp(G)
@@ -128,7 +139,7 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     d_sk = d_a * beta
     # Rw(dS^q, K) and Rw(dS^k, K) stay apart (they multiply q and k in dG); both Cl
     # terms multiply k, so they are summed.
-    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)])
+    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)], bounded)
     # The diagonal S^q_ii = q_i·k_i has no decay: it reaches dq and dk but not dG, where
     # its two terms would cancel only up to rounding, and the suffix sums into dg would
     # gather that residue over the chunk (dg 2e-5 off under strong decay).
@@ -145,16 +156,16 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
 
 
 def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
-                    dqd, dp, dw, du, dkt, ddec, *, heads, chunk_size, mode):
+                    dqd, dp, dw, du, dkt, ddec, *, heads, chunk_size, mode, bounded=False):
     """Cotangents of q, k, g [Z, Tp, K], v [Z, Tp, V], β [Z, Tp, 1] from those of the
-    chunk terms (layouts as fwd.chunk_terms returns them)."""
+    chunk terms (layouts and `bounded` as in fwd.chunk_terms)."""
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads
     N = Tp // C
     tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
     return pl.pallas_call(
-        _terms_bwd_kernel,
+        functools.partial(_terms_bwd_kernel, bounded=bounded),
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1),
                   tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],

@@ -71,11 +71,21 @@ def _row(x, i):
     return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
 
 
-def _diag_block(q_ref, k_ref, g, i0):
+def sub_chunk_factors(G_I):
+    """(e^{G_i − G_m}, e^{G_m − G_j}) on a sub-chunk's rows [SUB, K], through its middle row
+    m: one matmul then scores the whole diagonal block. Only under a gate bounded below
+    (`bounded`, k3jax.ops.kda_chunk.score_leaf), where the factors stay within
+    e^{±(SUB/2)|lb|} and their products within e^{(SUB−1)|lb|}, finite in fp32."""
+    m = _row(G_I, SUB // 2)
+    return jnp.exp(G_I - m), jnp.exp(m - G_I)
+
+
+def _diag_block(q_ref, k_ref, g, i0, bounded):
     """Scores of sub-chunk rows i0.. against themselves, [SUB, SUB] each for q and k.
 
     Column j is x_i · (k_j ⊙ e^{min(G_i − G_j, 0)}); for i >= j the min is inactive, and
-    i < j is masked afterwards, so no exponent is ever positive.
+    i < j is masked afterwards, so no exponent is ever positive. Under a bounded gate,
+    two matmuls through sub_chunk_factors instead of SUB column steps.
     """
     C = g.shape[0]
     x_q = q_ref[pl.ds(i0, SUB), :]
@@ -83,6 +93,12 @@ def _diag_block(q_ref, k_ref, g, i0):
     # Rows i0..i0+SUB of the inclusive cumsum of g, as a matmul (no value slicing).
     G = dot(jnp.where(_iota((SUB, C), 1) <= _iota((SUB, C), 0) + i0, 1.0, 0.0), g)
     col = _iota((SUB, SUB), 1)
+    tri = _iota((SUB, SUB), 0) >= col
+    if bounded:
+        row_f, col_f = sub_chunk_factors(G)
+        k_col = x_k * col_f
+        return (jnp.where(tri, dot_nt(x_q * row_f, k_col), 0.0),
+                jnp.where(tri, dot_nt(x_k * row_f, k_col), 0.0))
 
     def column(j, acc):
         b_q, b_k = acc
@@ -93,11 +109,10 @@ def _diag_block(q_ref, k_ref, g, i0):
 
     zero = jnp.zeros((SUB, SUB), jnp.float32)
     b_q, b_k = jax.lax.fori_loop(0, SUB, column, (zero, zero))
-    tri = _iota((SUB, SUB), 0) >= col
     return jnp.where(tri, b_q, 0.0), jnp.where(tri, b_k, 0.0)
 
 
-def pair_scores(q, k, q_ref, k_ref, g, G):
+def pair_scores(q, k, q_ref, k_ref, g, G, bounded):
     """x_i·(k_j ⊙ e^{G_i−G_j}) for x = q and x = k, [C, C] each, zero above the diagonal.
 
     Off-diagonal sub-chunk blocks (rows in sub-chunk I, columns before it) factor
@@ -113,7 +128,7 @@ def pair_scores(q, k, q_ref, k_ref, g, G):
         p = p + dot_nt(q * row_f, col_k)
         a = a + dot_nt(k * row_f, col_k)
     for i0 in range(0, C, SUB):
-        b_q, b_k = _diag_block(q_ref, k_ref, g, i0)
+        b_q, b_k = _diag_block(q_ref, k_ref, g, i0, bounded)
         sel = selector(C, i0)
         p = p + dot_nt(dot(sel, b_q), sel)
         a = a + dot_nt(dot(sel, b_k), sel)
@@ -163,7 +178,7 @@ def unit_lower_inverse(a):
 
 
 def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
-                  qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref):
+                  qd_ref, p_ref, w_ref, u_ref, kt_ref, dec_ref, *, bounded):
     C, K = q_ref.shape
     q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
     beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
@@ -174,7 +189,7 @@ def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref
     # the last tokens under strong decay) inherits G's absolute error (~1e-4 at |G|~1e3).
     G_last = _row(G, C - 1)  # [1, K]
 
-    p, a = pair_scores(q, k, q_ref, k_ref, g, G)
+    p, a = pair_scores(q, k, q_ref, k_ref, g, G, bounded)
     same = same_ref[...]
     p = p * same
     a = jnp.where(row > col, a, 0.0) * same * beta
@@ -193,9 +208,11 @@ def _terms_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref
     dec_ref[...] = jnp.sum(jnp.where(eye_k, dec, 0.0), axis=1, keepdims=True)  # as [K, 1]
 
 
-def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_size, mode):
+def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_size, mode,
+                bounded=False):
     """q, k, g [Z, Tp, K], v [Z, Tp, V], beta [Z, Tp, 1]; masks per batch row:
-    same [B, Tp, C], sees_in / reaches_out [B, Tp, 1] (float 0/1).
+    same [B, Tp, C], sees_in / reaches_out [B, Tp, 1] (float 0/1); bounded: the gate's
+    lower bound allows sub_chunk_factors.
 
     Returns (Q̃, P, W, U, K̃ [Z, Tp, ·], decay [Z, N·K, 1]).
     """
@@ -205,7 +222,7 @@ def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_si
     tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
     return pl.pallas_call(
-        _terms_kernel,
+        functools.partial(_terms_kernel, bounded=bounded),
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1)],
         out_specs=[tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],
