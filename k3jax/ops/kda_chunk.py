@@ -275,8 +275,14 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
     return jax.tree.map(lambda x: x.reshape(B, H, n_chunks, *x.shape[1:]), terms)
 
 
-# Chunks per block of the schedule; 2 measured fastest on XLA:CPU (benchmarks/kda.py).
-CHUNKS_PER_BLOCK = 2
+# Tokens per block of the schedule (whole chunks): 128 measured fastest on XLA:CPU for
+# chunks of 16, 32 and 64 (benchmarks/kda.py; 16k forward with K3's gate bound, C = 32:
+# 390 / 376 / 389 ms at 64 / 128 / 256 tokens per block).
+BLOCK_TOKENS = 128
+
+
+def default_chunks_per_block(chunk_size):
+    return max(1, BLOCK_TOKENS // chunk_size)
 
 
 class _Blocks(NamedTuple):
@@ -287,7 +293,8 @@ class _Blocks(NamedTuple):
     pad: int  # zero tokens appended to fill the last block
 
     @classmethod
-    def of(cls, T, chunk_size, chunks_per_block):
+    def of(cls, T, chunk_size, chunks_per_block=None):
+        chunks_per_block = chunks_per_block or default_chunks_per_block(chunk_size)
         n_chunks = max(1, -(-T // chunk_size))
         L = max(1, min(chunks_per_block, n_chunks)) * chunk_size
         n = -(-n_chunks * chunk_size // L)
@@ -385,7 +392,7 @@ def _blocked_backward(q, k, v, g, beta, reset, scale, states, do, dh, chunk_size
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
-              chunks_per_block=CHUNKS_PER_BLOCK, outputs=True, gate_lower_bound=None):
+              chunks_per_block=None, outputs=True, gate_lower_bound=None):
     """Chunkwise KDA. fp32 in and out, q unscaled and `scale` a fp32 scalar; returns
     (o [B,T,H,V], final state [B,H,K,V]). With outputs=False only the final state is
     computed (o is None, and XLA drops the terms made from q): the context-parallel pass
