@@ -286,6 +286,8 @@ def main():
             line += f"  (fastest: {best[1]})"
         if (T, "recurrent") in results and (T, "chunk") in results:
             line += f"  chunk/recurrent {results[T, 'chunk'] / results[T, 'recurrent']:.2f}x"
+            if best and best[1] != "chunk":  # the same outputs: the chunk size is a speed knob
+                line += f" ({best[1]}: {best[0] / results[T, 'recurrent']:.2f}x)"
         if (T, "recurrent_grad") in results and (T, "chunk_grad") in results:
             line += (f" (forward+backward "
                      f"{results[T, 'chunk_grad'] / results[T, 'recurrent_grad']:.2f}x)")
