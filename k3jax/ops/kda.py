@@ -143,9 +143,8 @@ def prepare(q, k, v, g, beta, scale, initial_state, segment_ids, impl, chunk_siz
         isinstance(gate_lower_bound, (int, float)) and not isinstance(gate_lower_bound, bool)
         and -math.inf < gate_lower_bound < 0
     ):
-        # A Python number: it picks the algorithm at trace time.
-        raise ValueError(f"kda: gate_lower_bound must be None or a finite negative number, "
-                         f"got {gate_lower_bound!r}")
+        raise ValueError(f"kda: gate_lower_bound must be None or a finite negative Python "
+                         f"number (it picks the algorithm at trace time), got {gate_lower_bound!r}")
     _validate(q, k, v, g, beta, initial_state, segment_ids)
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale

@@ -59,8 +59,9 @@ def _to_chunks(x, n_chunks, chunk_size):
     return jnp.moveaxis(x, 3, 1)
 
 
-# Largest |exponent| a bounded gate may put into one score factor (below). e^80 ≈ 5.5e34
-# leaves fp32 (max 3.4e38) four decades for the sizes of q and k.
+# Largest exponent a bounded gate may put into a leaf block's scores (its masked entries,
+# i < j, reach e^{(leaf−1)|lb|}): e^80 ≈ 5.5e34 leaves fp32 (max 3.4e38) four decades for
+# |q|·|k|.
 _MAX_FACTOR_EXPONENT = 80.0
 
 
