@@ -3,8 +3,9 @@
 Two kernels, both over a flat axis Z = batch·heads, on the layout [Z, T_pad, ·]:
 
 1. `chunk_terms` — grid (Z, N chunks), every program independent: in-chunk cumulative
-   decay, the pairwise scores P and A with every exponent kept <= 0, (I + A)^{-1} by
-   repeated squaring, and W, U, Q̃, K̃, e^{G_C}. This is where the FLOPs are.
+   decay, the pairwise scores P and A with every exponent kept <= 0 (or bounded, under
+   a gate lower bound), (I + A)^{-1} by repeated squaring, and W, U, Q̃, K̃, e^{G_C}.
+   This is where the FLOPs are.
 2. `recurrence` — the chunks in order, carrying the [K, V] state:
    V' = U − W h; O = Q̃ h + P V'; h ← e^{G_C} ⊙ h + K̃ᵀ V'. It stores each chunk's incoming
    state for the backward pass. Two layouts of the same step (`default_layout`): on TPU
@@ -29,7 +30,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 MODES = ("interpret", "tpu", "triton")
-SUB = 16  # sub-chunk width: diagonal blocks are built column by column at this size
+SUB = 16  # sub-chunk width: diagonal blocks are built column by column (or, under a gate
+# bound, by one matmul: sub_chunk_factors) at this size
 _HI = jax.lax.Precision.HIGHEST  # fp32 matmuls: the state spans the whole sequence
 
 
