@@ -20,8 +20,8 @@ KDA issue's device run (an H200):
 An impl that fails is reported and skipped; the script then exits non-zero.
 
 The gates are K3's "safe" gate, g = -5·sigmoid(·), and every impl is told so
-(`gate_lower_bound=-5`, as K3's layers do), which lets `chunk` and `assoc` score 16-token
-sub-chunks in one matmul each. `--gate-lower-bound none` times the path for gates with no
+(`gate_lower_bound=-5`, as K3's layers do), which lets `chunk`, `assoc` and `pallas` score
+16-token sub-chunks in one matmul each. `--gate-lower-bound none` times the path for gates with no
 lower bound (Kimi-Linear's softplus gate) on the same inputs.
 
 `--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.config import load as load_config
 from k3jax.ops.kda import kda
 
 
@@ -116,8 +117,9 @@ def chunk_flops(T, H, K, V, C):
     return H * n * per_chunk
 
 
-# K3's linear_attn_config.gate_lower_bound: make_inputs draws g in (K3_GATE_LOWER_BOUND, 0).
-K3_GATE_LOWER_BOUND = -5.0
+# K3's linear_attn_config.gate_lower_bound, from its preset: make_inputs draws g in
+# (K3_GATE_LOWER_BOUND, 0), K3's "safe" gate.
+K3_GATE_LOWER_BOUND = load_config("k3").gate_lower_bound
 
 
 def make_inputs(B, T, H, K, V, seed=0):
