@@ -7,8 +7,8 @@ output includes the current token):
 
 Implementations (all compute in fp32 and agree to the tolerances in DESIGN.md):
   "recurrent"  a `lax.scan` over tokens; the oracle, deliberately plain.
-  "chunk"      the chunkwise UT/WY form (kda_chunk.py): batched matmuls per chunk and a
-               `lax.scan` over chunks carrying the state.
+  "chunk"      the chunkwise UT/WY form (kda_chunk.py): a loop over blocks of whole chunks,
+               each block's chunk terms from batched matmuls, the state carried through them.
   "assoc"      the same chunk terms, with every chunk's incoming state from an associative
                scan of the per-chunk affine maps (kda_scan.py): logarithmic depth.
   "pallas"     Pallas kernels for the chunk terms and the state recurrence, forward and

@@ -168,28 +168,46 @@ def _intra_chunk_scores(q, k, G, leaf=1):
     return assemble(off_q, in_q), assemble(off_k, in_k)
 
 
+def _triangles(C, dtype, *parts):
+    """[C, len(parts)·C]: the named C×C triangles of ones side by side ("lower": j <= i,
+    "upper": j >= i, "before": j < i)."""
+    ones = jnp.ones((C, C), dtype)
+    tri = {"lower": jnp.tril(ones), "upper": jnp.triu(ones), "before": jnp.tril(ones, k=-1)}
+    return jnp.concatenate([tri[p] for p in parts], axis=1)
+
+
+def _by_triangles(tri, x):
+    """tri [C, C'] applied to x [Z, C', K] within each chunk, as a matmul: XLA:CPU lowers
+    cumsum to a reduce-window (C adds per element, unvectorised), several times slower.
+    The triangle is broadcast over Z so the product is batched and comes out [Z, C, K]:
+    with one shared triangle XLA computes [Z·K, C] instead, and every elementwise
+    consumer then reads it transposed (measured 10% of the forward at 16k)."""
+    return _einsum("zij,zjk->zik", jnp.broadcast_to(tri, (x.shape[0], *tri.shape)), x)
+
+
 @jax.custom_vjp
-def _decay_after(g, G):
-    """Σ_{t>i} g_t, the log decay from token i to the chunk's end, [Z, C, K] (G = the
-    in-chunk cumsum of g). Its value is G_C − G_i; its gradient is that of the suffix
-    sum, sent to those g_t directly. Sent through G instead, every g_t would receive
-    G_C's cotangent (Σ_i d_i) minus the part for tokens before t, a difference of large
-    terms: under strong decay (g ≈ −5) that lost dg ~1e-4 of its accuracy at T = 1000."""
-    return G[..., -1:, :] - G
+def _chunk_decays(g):
+    """(G, A) for g [Z, C, K]: G the in-chunk cumulative log decay Σ_{t<=i} g_t, and
+    A = Σ_{t>i} g_t the log decay from token i to the chunk's end (= G_C − G_i).
+
+    The gradient sends A's cotangent to those g_t directly. Sent through G instead,
+    every g_t would receive G_C's cotangent (Σ_i d_i) minus the part for tokens before t,
+    a difference of large terms: under strong decay (g ≈ −5) that lost dg ~1e-4 of its
+    accuracy at T = 1000. Both cotangents go back in one product with two triangles side
+    by side (autodiff's transpose of the forward product also left XLA:CPU a transposed
+    copy)."""
+    G = _by_triangles(_triangles(g.shape[1], g.dtype, "lower"), g)
+    return G, G[:, -1:, :] - G
 
 
-def _decay_after_fwd(g, G):
-    return _decay_after(g, G), None
+def _chunk_decays_bwd(_, cts):
+    dG, dA = cts
+    C = dG.shape[1]
+    # dg_t = Σ_{i>=t} dG_i + Σ_{i<t} dA_i
+    return (_by_triangles(_triangles(C, dG.dtype, "upper", "before"), jnp.concatenate([dG, dA], 1)),)
 
 
-def _decay_after_bwd(_, d):
-    Z, C, _K = d.shape
-    before = jnp.tril(jnp.ones((C, C), d.dtype), k=-1)  # dg_t = Σ_{i<t} d_i
-    dg = _einsum("zij,zjk->zik", jnp.broadcast_to(before, (Z, C, C)), d)
-    return dg, jnp.zeros_like(d)
-
-
-_decay_after.defvjp(_decay_after_fwd, _decay_after_bwd)
+_chunk_decays.defvjp(lambda g: (_chunk_decays(g), None), _chunk_decays_bwd)
 
 
 # Diagonal block size of the blocked triangular solve.
@@ -265,13 +283,7 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
     same_doc = r[..., :, None] == r[..., None, :]  # [Z, C, C]
     clean = r[..., -1] == 0  # the incoming state survives the whole chunk
 
-    # In-chunk cumulative sum as a matmul with a triangle of ones: XLA:CPU lowers cumsum
-    # to a reduce-window (C adds per element, unvectorised), several times slower. The
-    # triangle is broadcast over Z so the product is batched and G comes out [Z, C, K]:
-    # with one shared triangle XLA computes [Z·K, C] instead, and every one of G's many
-    # elementwise consumers then reads it transposed (measured 10% of the forward at 16k).
-    tril = jnp.tril(jnp.ones((chunk_size, chunk_size), g.dtype))
-    G = _einsum("zij,zjk->zik", jnp.broadcast_to(tril, (g.shape[0], chunk_size, chunk_size)), g)
+    G, after = _chunk_decays(g)
     G_last = G[..., -1:, :]
     pow2 = 1 << (chunk_size - 1).bit_length()  # the halving recursion wants a power of two
     leaf = score_leaf(gate_lower_bound, chunk_size)
@@ -303,7 +315,7 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
         p=p,
         w=w,
         u=u,
-        k_tail=jnp.where(reaches_out[..., None], k * jnp.exp(_decay_after(g, G)), 0.0),
+        k_tail=jnp.where(reaches_out[..., None], k * jnp.exp(after), 0.0),
         decay=jnp.where(clean[..., None], jnp.exp(G_last[..., 0, :]), 0.0),
     )
     return jax.tree.map(lambda x: x.reshape(B, H, n_chunks, *x.shape[1:]), terms)
