@@ -22,7 +22,6 @@ sum, the scores and the triangular inverse are all plain matmuls.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -214,20 +213,14 @@ _chunk_decays.defvjp(lambda g: (_chunk_decays(g), None), _chunk_decays_bwd)
 _SOLVE_BLOCK = 16
 
 
-def solve_unit_lower(a, rhs):
-    """X with (I + A) X = rhs, A strictly lower-triangular [Z, C, C], rhs [Z, C, D].
-
-    (I + A)^{-1} is built explicitly (blocked_unit_lower_inverse) and applied in one
-    product. Forward substitution by 16-row blocks costs half the FLOPs, but its C/16
-    dependent steps of small matmuls, slices and concatenations took XLA:CPU four times
-    their FLOP time (a fifth of the 16k forward at C = 64); XLA:CPU's triangular_solve
-    is slower still.
-    """
-    return _einsum("zij,zjd->zid", blocked_unit_lower_inverse(a), rhs)
-
-
 def blocked_unit_lower_inverse(a):
     """(I + A)^{-1} for strictly lower-triangular A [Z, C, C].
+
+    Built explicitly and applied to W's and U's right-hand sides in a product each.
+    Forward substitution by 16-row blocks costs half the FLOPs, but its C/16 dependent
+    steps of small matmuls, slices and concatenations took XLA:CPU four times their FLOP
+    time (a fifth of the 16k forward at C = 64); XLA:CPU's triangular_solve is slower
+    still.
 
     The 16×16 diagonal blocks are inverted by repeated squaring, then neighbouring
     inverses are joined pairwise, [[T1, 0], [A21, T2]] ↦ [[T1, 0], [−T2 A21 T1, T2]],
@@ -324,9 +317,9 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
     # the incoming state, so their K ⊙ e^G rows are zeroed (A couples only tokens of the
     # same document).
     k_decayed = jnp.where(sees_in[..., None], k * jnp.exp(G), 0.0)
-    rhs = beta[..., None] * jnp.concatenate([k_decayed, v], axis=-1)
-    wu = solve_unit_lower(a, rhs)
-    w, u = wu[..., : k.shape[-1]], wu[..., k.shape[-1] :]
+    inverse = blocked_unit_lower_inverse(a)
+    w = _einsum("zij,zjd->zid", inverse, beta[..., None] * k_decayed)
+    u = _einsum("zij,zjd->zid", inverse, beta[..., None] * v)
 
     terms = ChunkTerms(
         q_decayed=jnp.where(sees_in[..., None], q * jnp.exp(G), 0.0),
