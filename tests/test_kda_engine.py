@@ -78,7 +78,7 @@ def test_assoc_matches_recurrent(T, H, K, C, gate, use_h0, use_seg):
 
 
 # Strong decay over long chunks: dg is 1.1e-4 off if the decay-to-chunk-end's cotangent
-# reaches g through G (kda_chunk._decay_after).
+# reaches g through G (kda_chunk._chunk_decays).
 STRONG_DECAY_CASE = (500, 2, 128, 128, "near5", True, True)
 LONG_AND_WIDE = [CHUNKED_CASES[3], CHUNKED_CASES[5], STRONG_DECAY_CASE]
 
@@ -88,6 +88,26 @@ def test_chunk_matches_recurrent_long_and_wide(case):
     """K = 128, T = 1000 and strong decay for `chunk`, with gradients (test_kda_op covers
     the rest)."""
     _check_against_recurrent("chunk", *case)
+
+
+@pytest.mark.parametrize("tokens", [16, 48, 512], ids=["one-chunk", "three-chunks", "accelerator"])
+def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
+    """`chunk` walks the sequence in blocks of whole chunks, 128 tokens on CPU and longer on
+    accelerators (kda_chunk.block_tokens): any block length gives the same outputs and
+    gradients, including a last block that is mostly padding."""
+    from k3jax.ops import kda_chunk
+
+    monkeypatch.setattr(kda_chunk, "block_tokens", lambda backend=None: tokens)
+    T, H, K, C = 200, 2, 32, 16
+    x = make_inputs(11, 2, T, H, K, gate="safe")
+    h0, seg = make_state(11, 2, H, K, K), make_segments(11, 2, T, C)
+    r_o, r_s = _cotangents(2, T, H, K, K)
+    # A fresh trace: _outputs_and_grads' cache would keep the blocks it was traced with.
+    fresh = jax.jit(_outputs_and_grads.__wrapped__, static_argnames=("impl", "chunk_size"))
+    got = fresh(x, h0, seg, r_o, r_s, "chunk", C)
+    ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
 @pytest.mark.parametrize("impl", ["chunk", "assoc"])

@@ -182,7 +182,7 @@ def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True,
         # Scaled block by block, inside the loop: scaling the whole q up front is a full
         # extra pass over [B, T, H, K] in memory (3-7% of the forward at 16k on CPU).
         return kda_chunk.chunk_kda(q, k, v, g, beta, h0, reset, scale, chunk_size,
-                                   None, outputs, gate_lower_bound)  # None: blocks of BLOCK_TOKENS
+                                   None, outputs, gate_lower_bound)  # None: blocks of block_tokens()
     q = q * scale
     if impl == "recurrent":
         o, h = _recurrent(q, k, v, g, beta, h0, reset)

@@ -332,10 +332,19 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
     return jax.tree.map(lambda x: x.reshape(B, H, n_chunks, *x.shape[1:]), terms)
 
 
-# Tokens per block of the schedule (whole chunks): 128 measured fastest on XLA:CPU for
-# chunks of 16, 32 and 64 (benchmarks/kda.py; 16k forward with K3's gate bound, C = 32:
-# 390 / 376 / 389 ms at 64 / 128 / 256 tokens per block).
-BLOCK_TOKENS = 128
+# Tokens per block of the schedule (whole chunks), by backend. On CPU a block's terms
+# must stay in cache: 128 measured fastest for chunks of 16, 32 and 64 (benchmarks/kda.py;
+# 16k forward with K3's gate bound, C = 32: 390 / 376 / 389 ms at 64 / 128 / 256 tokens
+# per block). A GPU or TPU has no such limit, and every loop iteration costs it a fixed
+# launch and synchronisation overhead and runs matmuls too small to fill it, so it takes
+# longer blocks (not yet timed on one: benchmarks/kda.py --impls chunk on the device).
+BLOCK_TOKENS = {"cpu": 128}
+BLOCK_TOKENS_ACCELERATOR = 512
+
+
+def block_tokens(backend=None):
+    """Tokens per block on `backend` (default: JAX's default backend)."""
+    return BLOCK_TOKENS.get(backend or jax.default_backend(), BLOCK_TOKENS_ACCELERATOR)
 
 
 class _Blocks(NamedTuple):
@@ -347,7 +356,7 @@ class _Blocks(NamedTuple):
 
     @classmethod
     def of(cls, T, chunk_size, chunks_per_block=None):
-        chunks_per_block = chunks_per_block or max(1, BLOCK_TOKENS // chunk_size)
+        chunks_per_block = chunks_per_block or max(1, block_tokens() // chunk_size)
         n_chunks = max(1, -(-T // chunk_size))
         L = max(1, min(chunks_per_block, n_chunks)) * chunk_size
         n = -(-n_chunks * chunk_size // L)
