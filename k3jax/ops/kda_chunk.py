@@ -343,7 +343,8 @@ BLOCK_TOKENS_ACCELERATOR = 512
 
 
 def block_tokens(backend=None):
-    """Tokens per block on `backend` (default: JAX's default backend)."""
+    """Tokens per block on `backend` (default: JAX's default backend, read at trace time,
+    so a `jax.export` for another platform gets this machine's blocks)."""
     return BLOCK_TOKENS.get(backend or jax.default_backend(), BLOCK_TOKENS_ACCELERATOR)
 
 
