@@ -110,6 +110,27 @@ def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
+@pytest.mark.parametrize("impl,C", [("chunk", 64), ("assoc", 32), ("pallas", 64)])
+def test_nearly_repeated_keys_with_beta_near_one(impl, C):
+    """A run of almost identical keys with β ≈ 1 and no decay (a repeated token) makes
+    I + A nearly all ones below the diagonal. Its inverse is then nearly bidiagonal, but
+    the powers of A are huge: summed as Π (I + (−A)^{2^k}) they cost `chunk` 3e-4 of
+    relative accuracy here and gave `pallas` garbage (kda_chunk.unit_lower_inverse)."""
+    B, T, H, K = 1, 128, 1, 32
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 1, H, K)) + 1e-3 * rng.standard_normal((B, T, H, K))
+    x = make_inputs(5, B, T, H, K, gate="near0")
+    x["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
+    x["g"] = (-1e-4 * rng.random((B, T, H, K))).astype(np.float32)
+    x["beta"] = np.full((B, T, H), 0.9999, np.float32)
+    h0 = make_state(5, B, H, K, K)
+    r_o, r_s = _cotangents(B, T, H, K, K)
+    ref = _outputs_and_grads(x, h0, None, r_o, r_s, "recurrent", C)
+    got = _outputs_and_grads(x, h0, None, r_o, r_s, impl, C)
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+
+
 @pytest.mark.parametrize("impl", ["chunk", "assoc"])
 def test_chunk_size_not_a_power_of_two(impl):
     """The halving recursion of the intra-chunk scores pads such chunks internally."""
