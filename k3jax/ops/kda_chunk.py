@@ -262,7 +262,7 @@ def unit_lower_inverse(a):
     blocks just below T's (pair_join_mask), T − T A_s T is the inverse for blocks of 2s.
     2·log2(n) − 2 batched matmuls. The product formula Π_k (I + (−A)^{2^k}) costs the same
     but adds up powers of A that can be far larger than the result: with consecutive keys
-    nearly equal and β ≈ 1 (A ≈ all ones below the diagonal), A^8 reaches 6e3 in a 16×16
+    nearly equal and β ≈ 1 (A ≈ all ones below the diagonal), A^8 reaches 3e3 in a 16×16
     block and U lost 1e-4 of relative accuracy. XLA:CPU's batched triangular_solve runs
     at a small fraction of its matmul rate, and matmuls are what TPUs and GPUs do best.
     """
