@@ -29,6 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from k3jax.ops.kda_chunk import pair_join_mask
+
 MODES = ("interpret", "tpu", "triton")
 SUB = 16  # sub-chunk width: diagonal blocks are built column by column (or, under a gate
 # bound, by one matmul: sub_chunk_factors) at this size
@@ -165,26 +167,20 @@ def selector(C, i0):
     return jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + i0, 1.0, 0.0)
 
 
-def _pair_join_mask(row, col, s):
-    """Within each group of 2s rows and columns, the block of the group's upper-half rows
-    and lower-half columns (s a power of two; bit operations lower everywhere)."""
-    group = (2 * s).bit_length() - 1  # log2(2s)
-    return ((row >> group) == (col >> group)) & ((row & s) != 0) & ((col & s) == 0)
-
-
 def unit_lower_inverse(a):
     """(I + A)^{-1} for strictly lower-triangular A [C, C], C a power of two: with T the
     inverses of the diagonal blocks of size s and A_s the blocks just below them,
     T − T A_s T joins them pairwise into blocks of 2s (s = 1, 2, 4, ...): 2·log2(C) − 2
     matmuls. The product formula Π_k (I + (−A)^{2^k}) costs the same but sums powers of A
     far larger than the result: with consecutive keys nearly equal and β ≈ 1 it returned
-    garbage (relative error 1e20 at C = 64). Mirrors k3jax.ops.kda_chunk.unit_lower_inverse."""
+    garbage (relative error 1e20 at C = 64). k3jax.ops.kda_chunk.unit_lower_inverse is the
+    same on NumPy masks."""
     C = a.shape[0]
     row, col = _iota((C, C), 0), _iota((C, C), 1)
-    t = jnp.where(row == col, 1.0, 0.0) - jnp.where(_pair_join_mask(row, col, 1), a, 0.0)
+    t = jnp.where(row == col, 1.0, 0.0) - jnp.where(pair_join_mask(row, col, 1), a, 0.0)
     s = 2
     while s < C:
-        t = t - dot(t, dot(jnp.where(_pair_join_mask(row, col, s), a, 0.0), t))
+        t = t - dot(t, dot(jnp.where(pair_join_mask(row, col, s), a, 0.0), t))
         s *= 2
     return t
 
