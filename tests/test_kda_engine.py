@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from k3jax.ops import kda_chunk
 from k3jax.ops.kda import kda
 from k3jax.ops.kda_scan import context_parallel_kda
 from test_kda_op import make_inputs, make_segments, make_state, rel_rms
@@ -129,6 +130,34 @@ def test_nearly_repeated_keys_with_beta_near_one(impl, C):
     got = _outputs_and_grads(x, h0, None, r_o, r_s, impl, C)
     for name, a, b in zip(NAMES, got, ref):
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+
+
+@pytest.mark.parametrize("C", [24, 64])
+def test_unit_lower_solve_gradient_matches_autodiff_of_a_dense_solve(C):
+    """The UT solve's hand-written gradient (kda_chunk.unit_lower_solve) against autodiff
+    through jnp.linalg.solve (LU) of I + StrictTril(A); C = 24 goes through the padding
+    to a power of two. Only A's strictly lower triangle is an input: the rest of its
+    gradient must be zero."""
+    rng = np.random.default_rng(C)
+    a = (0.3 * rng.standard_normal((3, C, C))).astype(np.float32)
+    xs = [rng.standard_normal((3, C, d)).astype(np.float32) for d in (16, 8)]
+    rs = [rng.standard_normal((3, C, d)).astype(np.float32) for d in (16, 8)]
+    strict = np.tril(np.ones((C, C), np.float32), -1)
+
+    def loss(solve, a, *xs):
+        return sum(jnp.sum(y * r) for y, r in zip(solve(a, *xs), rs))
+
+    def dense(a, *xs):
+        m = jnp.eye(C) + a * strict
+        return [jnp.linalg.solve(m, x) for x in xs]
+
+    ref = jax.grad(lambda *z: loss(dense, *z), argnums=(0, 1, 2))(a, *xs)
+    got = jax.grad(lambda *z: loss(kda_chunk.unit_lower_solve, *z), argnums=(0, 1, 2))(a, *xs)
+    for y, y_ref in zip(kda_chunk.unit_lower_solve(a * strict, *xs), dense(a, *xs)):
+        assert rel_rms(y, y_ref) <= 1e-5
+    for d, d_ref in zip(got, ref):
+        assert rel_rms(d, d_ref) <= 1e-5
+    assert np.all(np.asarray(got[0]) * (1 - strict) == 0)
 
 
 @pytest.mark.parametrize("impl", ["chunk", "assoc"])

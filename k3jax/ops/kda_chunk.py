@@ -249,6 +249,38 @@ def blocked_unit_lower_inverse(a):
     return t.reshape(Z, P, P)[:, :C, :C]
 
 
+@jax.custom_vjp
+def unit_lower_solve(a, *rhs):
+    """(I + A)^{-1} x for each x [Z, C, D] in rhs, A [Z, C, C] strictly lower triangular
+    (only its strictly lower triangle is read).
+
+    The inverse is built once (blocked_unit_lower_inverse) and each x is one product with
+    it: one product of [W | U]'s concatenation cost XLA:CPU more than two. The gradient is
+    the solve's own, dx = Tᵀ dy and dA = −StrictTril(Σ dx yᵀ) with T the inverse: two
+    products per right-hand side. Autodiff through the inverse's joins instead left XLA:CPU
+    dozens of 16×16 products at a few percent of its matmul rate (16k forward+backward:
+    818 → 754 ms).
+    """
+    return _unit_lower_solve_fwd(a, *rhs)[0]
+
+
+def _unit_lower_solve_fwd(a, *rhs):
+    inverse = blocked_unit_lower_inverse(a)
+    ys = tuple(_einsum("zij,zjd->zid", inverse, x) for x in rhs)
+    return ys, (inverse, ys)
+
+
+def _unit_lower_solve_bwd(res, dys):
+    inverse, ys = res
+    dxs = tuple(_einsum("zji,zjd->zid", inverse, dy) for dy in dys)
+    da = sum(_einsum("zid,zjd->zij", dx, y) for dx, y in zip(dxs, ys))
+    C = inverse.shape[-1]
+    return (-jnp.where(np.tril(np.ones((C, C), bool), -1), da, 0.0), *dxs)
+
+
+unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
+
+
 def pair_join_mask(row, col, s):
     """For row and column indices (NumPy, or int32 iotas inside a Pallas kernel): within
     each group of 2s rows and columns, the block of the group's upper-half rows and
@@ -332,9 +364,7 @@ def chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound=None) -> C
     # the incoming state, so their K ⊙ e^G rows are zeroed (A couples only tokens of the
     # same document).
     k_decayed = jnp.where(sees_in[..., None], k * jnp.exp(G), 0.0)
-    inverse = blocked_unit_lower_inverse(a)
-    w = _einsum("zij,zjd->zid", inverse, beta[..., None] * k_decayed)
-    u = _einsum("zij,zjd->zid", inverse, beta[..., None] * v)
+    w, u = unit_lower_solve(a, beta[..., None] * k_decayed, beta[..., None] * v)
 
     terms = ChunkTerms(
         q_decayed=jnp.where(sees_in[..., None], q * jnp.exp(G), 0.0),
