@@ -216,6 +216,109 @@ def test_pallas_gpu_layout_matches_recurrent():
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
+def _tf32(x):
+    """x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero, as the
+    GPU's cvt.rna.tf32.f32 does."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32)
+
+
+def _tf32x3_matmul(a, b, dims):
+    """Triton's TF32x3 dot (F32DotTC) on CPU: each operand split into a TF32 high part and
+    the TF32 rounding of the rest; the small products first, then the large one, each
+    exact (TF32 × TF32 fits fp32) and accumulated in fp32."""
+    a_hi, b_hi = _tf32(a), _tf32(b)
+    a_lo, b_lo = _tf32(a - a_hi), _tf32(b - b_hi)
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
+                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return dot(a_hi, b_hi) + (dot(a_lo, b_hi) + dot(a_hi, b_lo))
+
+
+@pytest.mark.parametrize("case", ["k3_gate", "nearly_repeated_keys"])
+def test_pallas_gpu_arithmetic_matches_recurrent(case, monkeypatch):
+    """On GPU every kernel matmul is TF32x3 (fwd.MATMUL_PRECISION), not IEEE fp32. With
+    that arithmetic emulated in interpret mode, in the GPU's state-loop layout, outputs,
+    state and all six gradients still meet the tolerance: on K3's bounded gate, and on the
+    ill-conditioned solve of nearly repeated keys with β ≈ 1."""
+    from k3jax.ops.kda import _resets
+    from pallas_kernels.kda import fwd, pallas_kda
+
+    B, T, H, K, C = 1, 128, 2, 64, 64
+    x = make_inputs(7, B, T, H, K, gate="near5")
+    lb = -5.0
+    if case == "nearly_repeated_keys":
+        rng = np.random.default_rng(8)
+        k = rng.standard_normal((1, 1, H, K)) + 1e-3 * rng.standard_normal((B, T, H, K))
+        x["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
+        x["g"] = (-1e-4 * rng.random((B, T, H, K))).astype(np.float32)
+        x["beta"] = np.full((B, T, H), 0.9999, np.float32)
+        lb = None
+    h0 = make_state(7, B, H, K, K)
+    seg = make_segments(7, B, T, C)
+    r_o, r_s = _cotangents(B, T, H, K, K)
+    ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
+    reset = _resets(jnp.asarray(seg), B, T)
+
+    def run():
+        def loss(q, k, v, g, beta, h0):
+            o, s = pallas_kda(q * K**-0.5, k, v, g, beta, h0, reset, C, mode="interpret",
+                              layout="loop", gate_lower_bound=lb)
+            return jnp.sum(o * r_o) + jnp.sum(s * r_s), (o, s)
+
+        (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], h0)
+        return (o, s) + grads
+
+    exact = run()
+    monkeypatch.setattr(fwd, "matmul", _tf32x3_matmul)
+    got = run()
+    assert rel_rms(got[0], exact[0]) > 0  # the emulation is what ran
+    for name, a, b in zip(NAMES, got, ref):
+        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+
+
+def _kernel_matmul_precisions(fn, *args):
+    """The precision of every dot_general inside a pallas_call kernel traced by fn."""
+    found = []
+
+    def walk(jaxpr, in_kernel):
+        for eqn in jaxpr.eqns:
+            inside = in_kernel or eqn.primitive.name == "pallas_call"
+            if inside and eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub, inside)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return found
+
+
+@pytest.mark.parametrize("lb", [None, -5.0])
+def test_every_kernel_matmul_takes_the_backend_precision(lb):
+    """Forward and backward kernels: TF32x3 when lowered for Triton (plain TF32, Triton's
+    default for fp32, costs dg 2.5e-2 in the test above), full fp32 for Mosaic and the
+    interpreter."""
+    from pallas_kernels.kda import fwd, pallas_kda
+
+    x = make_inputs(3, 1, 64, 1, 16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], make_state(3, 1, 1, 16, 16),
+            np.zeros((1, 64), bool))
+    for mode in ("triton", "tpu", "interpret"):
+        def grads(*a):
+            loss = lambda *b: sum(jnp.sum(y) for y in pallas_kda(*b, a[6], 32, mode=mode,  # noqa: E731
+                                                                  gate_lower_bound=lb))
+            return jax.grad(loss, argnums=tuple(range(6)))(*a[:6])
+
+        found = _kernel_matmul_precisions(grads, *args)
+        assert len(found) > 20, mode  # forward, recomputed forward and backward kernels
+        want = fwd.MATMUL_PRECISION[mode]
+        assert all(p == want or p == (want, want) for p in found), (mode, set(map(str, found)))
+
+
 def test_pallas_runs_under_x64():
     """jax_enable_x64 makes Python ints int64; the kernels' index maps must stay int32."""
     x = make_inputs(5, 1, 20, 2, 16)

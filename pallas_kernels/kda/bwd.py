@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda.fwd import (call_options, default_layout, dot, dot_nt, dot_tn,
-                                    stream_call_options)
+                                    kernel_call, stream_call_options)
 
 
 def chunk_step_bwd(qd, p, w, u, kt, dec, h, do, dh):
@@ -89,8 +89,8 @@ def recurrence_bwd(qd, p, w, u, kt, dec, hs, do, dht, *, chunk_size, mode, layou
     args = (qd, p, w, u, kt, dec, hs, do, dht)
     if (layout or default_layout(mode)) == "loop":
         whole = lambda *d: pl.BlockSpec((None, *d), lambda z: (z,) + (0,) * len(d))  # noqa: E731
-        return pl.pallas_call(
-            functools.partial(_recurrence_bwd_loop_kernel, chunk_size=C),
+        return kernel_call(
+            mode, functools.partial(_recurrence_bwd_loop_kernel, chunk_size=C),
             grid=(Z,),
             in_specs=[whole(*d) for d in shapes] + [whole(N * K, V), whole(Tp, V), whole(K, V)],
             out_specs=[whole(*d) for d in shapes] + [whole(K, V)],
@@ -101,8 +101,8 @@ def recurrence_bwd(qd, p, w, u, kt, dec, hs, do, dht, *, chunk_size, mode, layou
     rev = lambda r, d: pl.BlockSpec((None, r, d), lambda z, i: (z, N - 1 - i, 0))  # noqa: E731
     per_z = lambda r, d: pl.BlockSpec((None, r, d), lambda z, i: (z, 0, 0))  # noqa: E731
     blocks = [rev(C, K), rev(C, C), rev(C, K), rev(C, V), rev(C, K), rev(K, 1)]
-    return pl.pallas_call(
-        _recurrence_bwd_stream_kernel,
+    return kernel_call(
+        mode, _recurrence_bwd_stream_kernel,
         grid=(Z, N),
         in_specs=blocks + [rev(K, V), rev(C, V), per_z(K, V)],
         out_specs=blocks + [per_z(K, V)],

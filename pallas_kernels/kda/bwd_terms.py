@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, chunk_specs, dot, dot_nt,
-                                    dot_tn, offdiag_factors, pair_scores, selector,
+                                    dot_tn, kernel_call, offdiag_factors, pair_scores, selector,
                                     sub_chunk_factors, unit_lower_inverse)
 
 
@@ -164,8 +164,8 @@ def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
     N = Tp // C
     tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
-    return pl.pallas_call(
-        functools.partial(_terms_bwd_kernel, bounded=bounded),
+    return kernel_call(
+        mode, functools.partial(_terms_bwd_kernel, bounded=bounded),
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1),
                   tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],

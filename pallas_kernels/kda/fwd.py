@@ -4,8 +4,8 @@ Two kernels, both over a flat axis Z = batch·heads, on the layout [Z, T_pad, ·
 
 1. `chunk_terms` — grid (Z, N chunks), every program independent: in-chunk cumulative
    decay, the pairwise scores P and A with every exponent kept <= 0 (or bounded, under
-   a gate lower bound), (I + A)^{-1} by repeated squaring, and W, U, Q̃, K̃, e^{G_C}.
-   This is where the FLOPs are.
+   a gate lower bound), (I + A)^{-1} by pairwise joins of diagonal blocks, and W, U, Q̃,
+   K̃, e^{G_C}. This is where the FLOPs are.
 2. `recurrence` — the chunks in order, carrying the [K, V] state:
    V' = U − W h; O = Q̃ h + P V'; h ← e^{G_C} ⊙ h + K̃ᵀ V'. It stores each chunk's incoming
    state for the backward pass. Two layouts of the same step (`default_layout`): on TPU
@@ -21,6 +21,8 @@ inside dot_general; every matmul dimension ≥ 16 (the chunk size is a multiple 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -34,22 +36,56 @@ from k3jax.ops.kda_chunk import pair_join_mask
 MODES = ("interpret", "tpu", "triton")
 SUB = 16  # sub-chunk width: diagonal blocks are built column by column (or, under a gate
 # bound, by one matmul: sub_chunk_factors) at this size
-_HI = jax.lax.Precision.HIGHEST  # fp32 matmuls: the state spans the whole sequence
+_HI = jax.lax.Precision.HIGHEST
+
+# Every matmul keeps fp32 accuracy (the state spans the whole sequence), in each backend's
+# own way. Triton computes an IEEE fp32 dot on CUDA cores, one FMA at a time: for these
+# [64, 128] tiles LLVM took over 20 minutes to compile one kernel and the result spilled
+# 115 KB per thread (sm_90, Triton 3.9). TF32x3 splits each operand into TF32 high and
+# low parts and sums three tensor-core products (Triton's F32DotTC): seconds to compile,
+# and fp32-level results (tests/test_kda_engine.py emulates it on CPU).
+MATMUL_PRECISION = {"interpret": _HI, "tpu": _HI,
+                    "triton": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+_precision = contextvars.ContextVar("kda_matmul_precision", default=_HI)
+
+
+@contextlib.contextmanager
+def matmul_precision(mode):
+    """Kernels traced inside this block multiply with `mode`'s MATMUL_PRECISION."""
+    token = _precision.set(MATMUL_PRECISION.get(mode, _HI))
+    try:
+        yield
+    finally:
+        _precision.reset(token)
+
+
+def matmul(a, b, dims):
+    """The one matmul every kernel uses: 2-D, fp32, at the traced mode's precision."""
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=_precision.get(),
+                               preferred_element_type=jnp.float32)
 
 
 def dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
-                               preferred_element_type=jnp.float32)
+    return matmul(a, b, ((1,), (0,)))
 
 
 def dot_nt(a, b):  # a @ bᵀ
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
-                               preferred_element_type=jnp.float32)
+    return matmul(a, b, ((1,), (1,)))
 
 
 def dot_tn(a, b):  # aᵀ @ b
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HI,
-                               preferred_element_type=jnp.float32)
+    return matmul(a, b, ((0,), (0,)))
+
+
+def kernel_call(mode, kernel, **kw):
+    """pl.pallas_call(kernel, **kw), its kernel traced at `mode`'s matmul precision."""
+    call = pl.pallas_call(kernel, **kw)
+
+    def run(*args):
+        with matmul_precision(mode):
+            return call(*args)
+
+    return run
 
 
 def call_options(mode, n_grid_axes):
@@ -163,7 +199,8 @@ def chunk_specs(C, heads):
 
 
 def selector(C, i0):
-    """[C, SUB] 0/1 matrix picking sub-chunk rows i0..i0+SUB (exact under HIGHEST)."""
+    """[C, SUB] 0/1 matrix picking sub-chunk rows i0..i0+SUB (exact in fp32; within
+    TF32x3's rounding of the picked values on GPU)."""
     return jnp.where(_iota((C, SUB), 0) == _iota((C, SUB), 1) + i0, 1.0, 0.0)
 
 
@@ -229,8 +266,8 @@ def chunk_terms(q, k, v, g, beta, same, sees_in, reaches_out, *, heads, chunk_si
     N = Tp // C
     tok, per_b, dec = chunk_specs(C, H)
     f32 = jnp.float32
-    return pl.pallas_call(
-        functools.partial(_terms_kernel, bounded=bounded),
+    return kernel_call(
+        mode, functools.partial(_terms_kernel, bounded=bounded),
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1)],
         out_specs=[tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],
@@ -315,8 +352,8 @@ def recurrence(qd, p, w, u, kt, dec, h0, *, chunk_size, mode, layout=None):
     args = (qd, p, w, u, kt, dec, h0)
     if (layout or default_layout(mode)) == "loop":
         whole = lambda *d: pl.BlockSpec((None, *d), lambda z: (z,) + (0,) * len(d))  # noqa: E731
-        return pl.pallas_call(
-            functools.partial(_recurrence_loop_kernel, chunk_size=C),
+        return kernel_call(
+            mode, functools.partial(_recurrence_loop_kernel, chunk_size=C),
             grid=(Z,),
             in_specs=[whole(Tp, K), whole(Tp, C), whole(Tp, K), whole(Tp, V), whole(Tp, K),
                       whole(N * K, 1), whole(K, V)],
@@ -327,8 +364,8 @@ def recurrence(qd, p, w, u, kt, dec, h0, *, chunk_size, mode, layout=None):
         )(*args)
     blk = lambda r, d: pl.BlockSpec((None, r, d), lambda z, n: (z, n, 0))  # noqa: E731
     per_z = lambda r, d: pl.BlockSpec((None, r, d), lambda z, n: (z, 0, 0))  # noqa: E731
-    return pl.pallas_call(
-        _recurrence_stream_kernel,
+    return kernel_call(
+        mode, _recurrence_stream_kernel,
         grid=(Z, N),
         in_specs=[blk(C, K), blk(C, C), blk(C, K), blk(C, V), blk(C, K), blk(K, 1), per_z(K, V)],
         out_specs=[blk(C, V), blk(K, V), per_z(K, V)],
