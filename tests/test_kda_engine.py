@@ -424,7 +424,8 @@ def _export(platform):
     return texts
 
 
-KERNELS = ("kda_chunk_terms", "kda_recurrence_fwd", "kda_recurrence_bwd", "kda_chunk_terms_bwd")
+KERNELS = ("kda_chunk_terms", "kda_recurrence_fwd", "kda_recurrence_bwd", "kda_chunk_terms_bwd",
+           "kda_scores_bwd")
 
 
 def test_pallas_lowers_for_tpu():

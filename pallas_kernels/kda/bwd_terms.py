@@ -1,8 +1,9 @@
-"""Backward Pallas kernel of the intra-chunk factorisation (fwd.chunk_terms).
+"""Backward Pallas kernels of the intra-chunk factorisation (fwd.chunk_terms).
 
-Given the cotangents of one chunk's terms (Q̃, P, W, U, K̃, e^{G_C}) it returns dq, dk, dv,
-dg, dβ for that chunk; grid (Z, N), every program independent, like the forward. The
-forward terms are recomputed in the kernel (scores, (I + A)^{-1}, W, U) rather than stored.
+Given the cotangents of one chunk's terms (Q̃, P, W, U, K̃, e^{G_C}) they return dq, dk,
+dv, dg, dβ for that chunk; grid (Z, N), every program independent, like the forward. The
+forward terms are recomputed in the kernels (scores, (I + A)^{-1}, W, U) rather than
+stored. The solve side and the scores' decayed products are two kernels (chunk_terms_bwd).
 
 With T = (I + A)^{-1}, R = diag(β)[K̂ | V] (K̂ = K ⊙ e^G on rows that see the incoming
 state) and [W | U] = T R:
@@ -79,9 +80,11 @@ def _decayed_products(G, pairs_row, pairs_col, bounded):
     return rw, cl
 
 
-def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
-                      dqd_ref, dp_ref, dw_ref, du_ref, dkt_ref, ddec_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, bounded):
+def _solve_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout_ref,
+                      dqd_ref, dw_ref, du_ref, dkt_ref, ddec_ref,
+                      dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dsk_ref, *, bounded):
+    """Everything but the scores' decayed products: through the solve, Q̃, K̃ and e^{G_C}.
+    Writes dq, dk, dg so far, the final dv and dβ, and dS^k for _scores_bwd_kernel."""
     C, K = q_ref.shape
     q, k, v, g = q_ref[...], k_ref[...], v_ref[...], g_ref[...]
     beta, sees_in, reaches_out = b_ref[...], sin_ref[...], rout_ref[...]  # [C, 1]
@@ -95,7 +98,7 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     G_last = _row(G, C - 1)  # [1, K]
 
     # Recompute the forward terms the cotangents flow through.
-    p_raw, a_raw = pair_scores(q, k, q_ref, k_ref, g, G, bounded)
+    _, a_raw = pair_scores(q, k, q_ref, k_ref, g, G, bounded)
     strict_same = jnp.where(row > col, same, 0.0)
     inv = unit_lower_inverse(a_raw * strict_same * beta)
     eG = jnp.exp(G)
@@ -111,7 +114,6 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     dbeta = (jnp.sum(d_a * a_raw, axis=1, keepdims=True)
              + jnp.sum(dr_k * k_hat, axis=1, keepdims=True)
              + jnp.sum(dr_v * v, axis=1, keepdims=True))
-    dv = beta * dr_v
     dk_hat = beta * dr_k
     dk = jnp.where(inside, dk_hat * eG, 0.0)
     dG = jnp.where(inside, dk_hat * k * eG, 0.0)
@@ -134,45 +136,70 @@ def _terms_bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, same_ref, sin_ref, rout
     clean = _row(sees_in, C - 1)
     dG_last = jnp.where(clean > 0, ddec * jnp.exp(G_last), 0.0)
 
-    # Through the scores S^q (P) and S^k (A before β; strictly lower, so no diagonal).
-    d_sq = dp_ref[...] * jnp.where(row >= col, same, 0.0)
-    d_sk = d_a * beta
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    dv_ref[...] = beta * dr_v
+    dg_ref[...] = dot_tn(tril, dG) + dot(jnp.where(row > col, 1.0, 0.0), t) + dG_last
+    db_ref[...] = dbeta
+    dsk_ref[...] = d_a * beta  # S^k is A before β (strictly lower, so no diagonal)
+
+
+def _scores_bwd_kernel(q_ref, k_ref, g_ref, same_ref, dp_ref, dsk_ref, dq_in, dk_in, dg_in,
+                       dq_ref, dk_ref, dg_ref, *, bounded):
+    """Through the scores S^q (P) and S^k: adds their decayed products to dq, dk, dg
+    (aliased in and out)."""
+    C, K = q_ref.shape
+    q, k = q_ref[...], k_ref[...]
+    row, col = _iota((C, C), 0), _iota((C, C), 1)
+    tril = jnp.where(row >= col, 1.0, 0.0)
+    G = dot(tril, g_ref[...])
+    d_sq = dp_ref[...] * jnp.where(row >= col, same_ref[...], 0.0)
     # Rw(dS^q, K) and Rw(dS^k, K) stay apart (they multiply q and k in dG); both Cl
     # terms multiply k, so they are summed.
-    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)], bounded)
+    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (dsk_ref[...], k)],
+                                         [(d_sq, q), (dsk_ref[...], k)], bounded)
     # The diagonal S^q_ii = q_i·k_i has no decay: it reaches dq and dk but not dG, where
     # its two terms would cancel only up to rounding, and the suffix sums into dg would
     # gather that residue over the chunk (dg 2e-5 off under strong decay).
     d_sq_ii = jnp.sum(jnp.where(row == col, d_sq, 0.0), axis=1, keepdims=True)  # [C, 1]
-    dq = dq + rw_q + d_sq_ii * k
-    dk = dk + rw_k + cl + d_sq_ii * q
-    dG = dG + q * rw_q + k * rw_k - k * cl
-
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-    dg_ref[...] = dot_tn(tril, dG) + dot(jnp.where(row > col, 1.0, 0.0), t) + dG_last
-    db_ref[...] = dbeta
+    dq_ref[...] = dq_in[...] + rw_q + d_sq_ii * k
+    dk_ref[...] = dk_in[...] + rw_k + cl + d_sq_ii * q
+    dg_ref[...] = dg_in[...] + dot_tn(tril, q * rw_q + k * rw_k - k * cl)
 
 
 def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
                     dqd, dp, dw, du, dkt, ddec, *, heads, chunk_size, mode, bounded=False):
     """Cotangents of q, k, g [Z, Tp, K], v [Z, Tp, V], β [Z, Tp, 1] from those of the
-    chunk terms (layouts and `bounded` as in fwd.chunk_terms)."""
+    chunk terms (layouts and `bounded` as in fwd.chunk_terms).
+
+    Two kernels, each over every chunk: the solve side, then the scores' decayed products,
+    which pass dS^k [Z, Tp, C] and add to dq, dk, dg in place. As one kernel Triton
+    needed 400 KB of shared memory at K = 128, C = 64 (sm_90, Triton 3.9), more than any
+    GPU has (H100/H200: 227 KB); split, 96 KB and 128 KB.
+    """
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads
     N = Tp // C
     tok, per_b, dec = chunk_specs(C, H)
-    f32 = jnp.float32
-    return kernel_call(
-        mode, functools.partial(_terms_bwd_kernel, bounded=bounded),
+    sds = lambda d: jax.ShapeDtypeStruct((Z, Tp, d), jnp.float32)  # noqa: E731
+    dq, dk, dv, dg, db, dsk = kernel_call(
+        mode, functools.partial(_solve_bwd_kernel, bounded=bounded),
         grid=(Z, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), per_b(C), per_b(1), per_b(1),
-                  tok(K), tok(C), tok(K), tok(V), tok(K), dec(K)],
-        out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
-        out_shape=[jax.ShapeDtypeStruct((Z, Tp, K), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),
-                   jax.ShapeDtypeStruct((Z, Tp, V), f32), jax.ShapeDtypeStruct((Z, Tp, K), f32),
-                   jax.ShapeDtypeStruct((Z, Tp, 1), f32)],
+                  tok(K), tok(K), tok(V), tok(K), dec(K)],
+        out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), tok(C)],
+        out_shape=[sds(K), sds(K), sds(V), sds(K), sds(1), sds(C)],
         name="kda_chunk_terms_bwd",
         **call_options(mode, 2),
-    )(q, k, v, g, beta, same, sees_in, reaches_out, dqd, dp, dw, du, dkt, ddec)
+    )(q, k, v, g, beta, same, sees_in, reaches_out, dqd, dw, du, dkt, ddec)
+    dq, dk, dg = kernel_call(
+        mode, functools.partial(_scores_bwd_kernel, bounded=bounded),
+        grid=(Z, N),
+        in_specs=[tok(K), tok(K), tok(K), per_b(C), tok(C), tok(C), tok(K), tok(K), tok(K)],
+        out_specs=[tok(K), tok(K), tok(K)],
+        out_shape=[sds(K), sds(K), sds(K)],
+        input_output_aliases={6: 0, 7: 1, 8: 2},
+        name="kda_scores_bwd",
+        **call_options(mode, 2),
+    )(q, k, g, same, dp, dsk, dq, dk, dg)
+    return dq, dk, dv, dg, db
