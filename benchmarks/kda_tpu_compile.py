@@ -1,6 +1,7 @@
 """Compile KDA's TPU paths ahead of time for a TPU generation, on a machine without one:
 the Pallas kernels through Mosaic and the XLA `chunk` path, forward and gradient, with and
-without K3's gate bound. Prints compile time and XLA's temporary memory per program.
+without K3's gate bound, on one chip and context-parallel over all chips of the topology.
+Prints compile time and XLA's temporary memory per chip for each program.
 
     TPU-PYTHON benchmarks/kda_tpu_compile.py [--topology v5e:2x2 v6e:2x2 ...] [--T 8192]
                                              [--H 8] [--K 128] [--C 64] [--impls pallas chunk]
@@ -34,6 +35,31 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3jax.ops.kda import kda  # noqa: E402
+from k3jax.ops.kda_scan import context_parallel_kda  # noqa: E402
+
+
+def programs(impl, C, lb, mesh):
+    """(forward, forward+backward) of one KDA layer: on one chip when mesh is None, else
+    context-parallel over the mesh's `context` axis (the time axis split across chips)."""
+    def fwd(q, k, v, g, beta, h0):
+        return kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, impl=impl,
+                   chunk_size=C, gate_lower_bound=lb)
+
+    if mesh is not None:
+        def local(q, k, v, g, beta, h0):
+            return context_parallel_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        impl=impl, chunk_size=C, gate_lower_bound=lb)
+
+        tok = P(None, "context")
+        # the final state is replicated by construction (see context_parallel_kda)
+        fwd = jax.shard_map(local, mesh=mesh, in_specs=(tok,) * 5 + (P(),), out_specs=(tok, P()),
+                            check_vma=False)
+
+    def loss(*x):
+        o, h = fwd(*x)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(h)
+
+    return fwd, jax.grad(loss, argnums=tuple(range(6)))
 
 
 def main():
@@ -49,34 +75,31 @@ def main():
     failed = []
     for name in args.topology:
         topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
-        one = NamedSharding(jax.sharding.Mesh(np.array(topology.devices[:1]), ("d",)), P())
-        sds = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=one)  # noqa: E731
-        inputs = (sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H),
-                  sds(1, H, K, K, dtype=jnp.float32))
-        for impl in args.impls:
-            for lb in (None, -5.0):
-                def fwd(q, k, v, g, beta, h0, impl=impl, lb=lb):
-                    return kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                               impl=impl, chunk_size=C, gate_lower_bound=lb)
-
-                def loss(*x, fwd=fwd):
-                    o, h = fwd(*x)
-                    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(h)
-
-                grad = jax.grad(loss, argnums=tuple(range(6)))
-                for what, fn in (("forward", fwd), ("forward+backward", grad)):
-                    label = f"{name:10s} {impl:6s} gate_lower_bound={str(lb):5s} {what:16s}"
-                    t0 = time.perf_counter()
-                    try:
-                        compiled = jax.jit(fn).lower(*inputs).compile()
-                    except Exception as e:  # noqa: BLE001 — reported, the rest still run
-                        failed.append(label.strip())
-                        print(f"{label} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
-                        continue
-                    mem = compiled.memory_analysis()
-                    temp = getattr(mem, "temp_size_in_bytes", 0) / 2**20 if mem else float("nan")
-                    print(f"{label} compiled in {time.perf_counter() - t0:5.1f} s, "
-                          f"temporaries {temp:7.1f} MiB", flush=True)
+        devices = np.array(topology.devices)
+        layouts = [("1 chip", None)]
+        if len(devices) > 1:
+            layouts.append((f"context×{len(devices)}", jax.sharding.Mesh(devices, ("context",))))
+        for where, mesh in layouts:
+            m = mesh or jax.sharding.Mesh(devices[:1], ("context",))
+            tok, rep = NamedSharding(m, P(None, "context")), NamedSharding(m, P())
+            sds = lambda *s, sh=tok, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sh)  # noqa: E731
+            inputs = (sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K),
+                      sds(1, T, H), sds(1, H, K, K, sh=rep, dtype=jnp.float32))
+            for impl in args.impls:
+                for lb in (None, -5.0):
+                    for what, fn in zip(("forward", "forward+backward"), programs(impl, C, lb, mesh)):
+                        label = f"{name:10s} {where:10s} {impl:6s} gate_lower_bound={str(lb):5s} {what:16s}"
+                        t0 = time.perf_counter()
+                        try:
+                            compiled = jax.jit(fn).lower(*inputs).compile()
+                        except Exception as e:  # noqa: BLE001 — reported, the rest still run
+                            failed.append(label.strip())
+                            print(f"{label} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                            continue
+                        mem = compiled.memory_analysis()
+                        temp = getattr(mem, "temp_size_in_bytes", 0) / 2**20 if mem else float("nan")
+                        print(f"{label} compiled in {time.perf_counter() - t0:5.1f} s, "
+                              f"temporaries {temp:7.1f} MiB per chip", flush=True)
     print(f"B=1, T={T}, H={H}, K=V={K}, C={C}, bf16 inputs")
     if failed:
         sys.exit("failed: " + "; ".join(failed))
