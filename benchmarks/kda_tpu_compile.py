@@ -10,8 +10,10 @@ TPU-PYTHON is a Python with `jax[tpu]` at this environment's JAX version (its li
 the TPU compiler); keep it apart from the CPU environment, where an installed libtpu makes
 JAX look for a TPU at start-up. With the repository on PYTHONPATH, e.g.
 
-    python -m venv tpuv && tpuv/bin/pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')" flax pyyaml
-    TPU_ACCELERATOR_TYPE=v5litepod-4 TPU_WORKER_HOSTNAMES=localhost PYTHONPATH=. tpuv/bin/python benchmarks/kda_tpu_compile.py
+    python -m venv tpuv
+    tpuv/bin/pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')" flax pyyaml
+    TPU_ACCELERATOR_TYPE=v5litepod-4 TPU_WORKER_HOSTNAMES=localhost PYTHONPATH=. \
+        tpuv/bin/python benchmarks/kda_tpu_compile.py
 
 (the two variables quiet libtpu's search for TPU hosts). Compiling is what Mosaic's checks
 need — block tiling, VMEM limits (a kernel that needs more VMEM than the chip has fails
@@ -82,7 +84,9 @@ def main():
         for where, mesh in layouts:
             m = mesh or jax.sharding.Mesh(devices[:1], ("context",))
             tok, rep = NamedSharding(m, P(None, "context")), NamedSharding(m, P())
-            sds = lambda *s, sh=tok, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sh)  # noqa: E731
+            def sds(*shape, sh=tok, dtype=jnp.bfloat16):
+                return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
             inputs = (sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K), sds(1, T, H, K),
                       sds(1, T, H), sds(1, H, K, K, sh=rep, dtype=jnp.float32))
             for impl in args.impls:

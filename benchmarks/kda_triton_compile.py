@@ -120,7 +120,8 @@ def main():
         ap.error("--triton-python is required (see the docstring)")
     paths = dump_ttir(args.out, args.K, args.C)
     print(f"{len(paths)} kernels (K = V = {args.K}, C = {args.C}) -> {args.out}; compiling for "
-          f"sm_{args.arch}, {args.num_warps} warps, shared-memory limit {SHARED_LIMIT[args.arch] // 1024} KiB")
+          f"sm_{args.arch}, {args.num_warps} warps, shared-memory limit "
+          f"{SHARED_LIMIT[args.arch] // 1024} KiB")
     # A fresh Triton cache: a cached kernel would report no compile time.
     cache = tempfile.mkdtemp(prefix="k3jax_triton_cache_")
     proc = subprocess.Popen([args.triton_python, os.path.abspath(__file__), "--compile", *paths,

@@ -154,10 +154,10 @@ def _scores_bwd_kernel(q_ref, k_ref, g_ref, same_ref, dp_ref, dsk_ref, dq_in, dk
     tril = jnp.where(row >= col, 1.0, 0.0)
     G = dot(tril, g_ref[...])
     d_sq = dp_ref[...] * jnp.where(row >= col, same_ref[...], 0.0)
+    d_sk = dsk_ref[...]
     # Rw(dS^q, K) and Rw(dS^k, K) stay apart (they multiply q and k in dG); both Cl
     # terms multiply k, so they are summed.
-    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (dsk_ref[...], k)],
-                                         [(d_sq, q), (dsk_ref[...], k)], bounded)
+    (rw_q, rw_k), cl = _decayed_products(G, [(d_sq, k), (d_sk, k)], [(d_sq, q), (d_sk, k)], bounded)
     # The diagonal S^q_ii = q_i·k_i has no decay: it reaches dq and dk but not dG, where
     # its two terms would cancel only up to rounding, and the suffix sums into dg would
     # gather that residue over the chunk (dg 2e-5 off under strong decay).
@@ -174,8 +174,8 @@ def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
 
     Two kernels, each over every chunk: the solve side, then the scores' decayed products,
     which pass dS^k [Z, Tp, C] and add to dq, dk, dg in place. As one kernel Triton
-    needed 400 KB of shared memory at K = 128, C = 64 (sm_90, Triton 3.9), more than any
-    GPU has (H100/H200: 227 KB); split, 96 KB and 128 KB.
+    needed 400 KiB of shared memory at K = 128, C = 64 (sm_90, Triton 3.9), more than any
+    GPU has (H100/H200: 227 KiB); split, 96 KiB and 128 KiB (benchmarks/kda_triton_compile.py).
     """
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads
