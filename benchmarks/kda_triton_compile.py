@@ -94,7 +94,8 @@ def compile_ttir(paths, arch, num_warps):
         ptx = path[:-5] + ".ptx"
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", ptx, "-o", os.devnull],
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # Triton targets the "a" variants
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", ptx, "-o", os.devnull],
                              capture_output=True, text=True).stderr
         regs = re.search(r"Used (\d+) registers", log)
         spills = re.search(r"(\d+) bytes spill stores", log)
