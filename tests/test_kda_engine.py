@@ -96,8 +96,6 @@ def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
     """`chunk` walks the sequence in blocks of whole chunks, 128 tokens on CPU and longer on
     accelerators (kda_chunk.block_tokens): any block length gives the same outputs and
     gradients, including a last block that is mostly padding."""
-    from k3jax.ops import kda_chunk
-
     monkeypatch.setattr(kda_chunk, "block_tokens", lambda backend=None: tokens)
     T, H, K, C = 200, 2, 32, 16
     x = make_inputs(11, 2, T, H, K, gate="safe")
@@ -111,6 +109,19 @@ def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
         assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
 
 
+def _nearly_repeated_keys(x, seed):
+    """x with every key almost the same, β ≈ 1 and no decay: I + A is nearly all ones
+    below the diagonal, the solve's hardest case."""
+    B, T, H, K = x["k"].shape
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((1, 1, H, K)) + 1e-3 * rng.standard_normal((B, T, H, K))
+    x = dict(x)
+    x["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
+    x["g"] = (-1e-4 * rng.random((B, T, H, K))).astype(np.float32)
+    x["beta"] = np.full((B, T, H), 0.9999, np.float32)
+    return x
+
+
 @pytest.mark.parametrize("impl,C", [("chunk", 64), ("assoc", 32), ("pallas", 64)])
 def test_nearly_repeated_keys_with_beta_near_one(impl, C):
     """A run of almost identical keys with β ≈ 1 and no decay (a repeated token) makes
@@ -118,12 +129,7 @@ def test_nearly_repeated_keys_with_beta_near_one(impl, C):
     the powers of A are huge: summed as Π (I + (−A)^{2^k}) they cost `chunk` 3e-4 of
     relative accuracy here and gave `pallas` garbage (kda_chunk.unit_lower_inverse)."""
     B, T, H, K = 1, 128, 1, 32
-    rng = np.random.default_rng(5)
-    k = rng.standard_normal((1, 1, H, K)) + 1e-3 * rng.standard_normal((B, T, H, K))
-    x = make_inputs(5, B, T, H, K, gate="near0")
-    x["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
-    x["g"] = (-1e-4 * rng.random((B, T, H, K))).astype(np.float32)
-    x["beta"] = np.full((B, T, H), 0.9999, np.float32)
+    x = _nearly_repeated_keys(make_inputs(5, B, T, H, K, gate="near0"), 5)
     h0 = make_state(5, B, H, K, K)
     r_o, r_s = _cotangents(B, T, H, K, K)
     ref = _outputs_and_grads(x, h0, None, r_o, r_s, "recurrent", C)
@@ -245,15 +251,9 @@ def test_pallas_gpu_arithmetic_matches_recurrent(case, monkeypatch):
     from pallas_kernels.kda import fwd, pallas_kda
 
     B, T, H, K, C = 1, 128, 2, 64, 64
-    x = make_inputs(7, B, T, H, K, gate="near5")
-    lb = -5.0
+    x, lb = make_inputs(7, B, T, H, K, gate="near5"), -5.0
     if case == "nearly_repeated_keys":
-        rng = np.random.default_rng(8)
-        k = rng.standard_normal((1, 1, H, K)) + 1e-3 * rng.standard_normal((B, T, H, K))
-        x["k"] = (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(np.float32)
-        x["g"] = (-1e-4 * rng.random((B, T, H, K))).astype(np.float32)
-        x["beta"] = np.full((B, T, H), 0.9999, np.float32)
-        lb = None
+        x, lb = _nearly_repeated_keys(x, 8), None
     h0 = make_state(7, B, H, K, K)
     seg = make_segments(7, B, T, C)
     r_o, r_s = _cotangents(B, T, H, K, K)

@@ -21,7 +21,6 @@ inside dot_general; every matmul dimension ≥ 16 (the chunk size is a multiple 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 
@@ -46,17 +45,8 @@ _HI = jax.lax.Precision.HIGHEST
 # and fp32-level results (tests/test_kda_engine.py emulates it on CPU).
 MATMUL_PRECISION = {"interpret": _HI, "tpu": _HI,
                     "triton": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+# The traced kernel's precision, set by kernel_call while pallas_call traces it.
 _precision = contextvars.ContextVar("kda_matmul_precision", default=_HI)
-
-
-@contextlib.contextmanager
-def matmul_precision(mode):
-    """Kernels traced inside this block multiply with `mode`'s MATMUL_PRECISION."""
-    token = _precision.set(MATMUL_PRECISION.get(mode, _HI))
-    try:
-        yield
-    finally:
-        _precision.reset(token)
 
 
 def matmul(a, b, dims):
@@ -82,8 +72,11 @@ def kernel_call(mode, kernel, **kw):
     call = pl.pallas_call(kernel, **kw)
 
     def run(*args):
-        with matmul_precision(mode):
+        token = _precision.set(MATMUL_PRECISION[mode])
+        try:
             return call(*args)
+        finally:
+            _precision.reset(token)
 
     return run
 
