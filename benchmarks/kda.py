@@ -2,7 +2,8 @@
 and flash-linear-attention's torch reference on the same inputs.
 
     python benchmarks/kda.py [--T 1024 4096 16384] [--H 8] [--K 128] [--reps 3] [--grad]
-                             [--dtype bfloat16] [--gate-lower-bound none] [--xla-cpu-dots onednn]
+                             [--dtype bfloat16] [--gate-lower-bound none] [--cpu-devices N]
+                             [--xla-cpu-dots onednn]
 
 Prints one line per (T, impl) and the ratios the KDA issue asks for:
   chunk FLOP rate / dense-matmul FLOP rate (target >= 0.3; beside it, the fraction of a
@@ -24,11 +25,17 @@ The gates are K3's "safe" gate, g = -5·sigmoid(·), and every impl is told so
 16-token sub-chunks in one matmul each. `--gate-lower-bound none` times the path for gates with no
 lower bound (Kimi-Linear's softplus gate) on the same inputs.
 
+Every impl runs on one device. With more than one device, `recurrent` and `chunk` also run
+with the heads split over all of them (`sharded_kda`, the KDA layer's path under a mesh that
+shards heads), reported as IMPL/Ndev with their own FLOP fraction and ratio. On CPU the
+script makes one device per core (`--cpu-devices`, default os.cpu_count()): XLA:CPU runs
+each *batched* matmul on one core (YNNPACK in jax 0.10), and every matmul of the chunk
+algorithm is batched, so on one device `chunk` uses half of this 2-core machine while the
+dense reference uses all of it. Split over two devices each core runs its own heads.
+
 `--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
 too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
-XLA:CPU's default dots (YNNPACK in jax 0.10) run each *batched* matmul on one core, which
-caps `chunk` near half the dense rate on this 2-core machine; oneDNN's use every core. It is
-a measurement of that ceiling, not a setting k3jax uses: runs with it abort now and then
+oneDNN's batched dots use every core, even on one device. It is a measurement of that ceiling, not a setting k3jax uses: runs with it abort now and then
 with heap corruption inside XLA's oneDNN thread pool (seen in this script and in
 benchmarks/train_step.py, jaxlib 0.10.2), so rerun one that dies.
 """
@@ -45,9 +52,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.config import load as load_config
 from k3jax.ops.kda import kda
+from k3jax.ops.kda_scan import sharded_kda
 
 
 def best_time(fn, reps):
@@ -194,7 +203,11 @@ def main():
     ap.add_argument("--gate-lower-bound", type=lambda s: None if s == "none" else float(s),
                     default=K3_GATE_LOWER_BOUND,
                     help="the gate bound every impl is told ('none': no bound; see above)")
+    ap.add_argument("--cpu-devices", type=int, default=os.cpu_count(),
+                    help="CPU devices, one per core by default (see above); 1: one device only")
     args = ap.parse_args()
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before the backend starts
     lb = args.gate_lower_bound
     if lb is not None and lb > K3_GATE_LOWER_BOUND:
         ap.error(f"the inputs' gates reach down to {K3_GATE_LOWER_BOUND}: a bound above it is false")
@@ -225,13 +238,28 @@ def main():
     if fla is None and not args.no_fla:
         print("fla-core not installed: no torch reference")
 
-    fn = jax.jit(functools.partial(kda, gate_lower_bound=lb),
-                 static_argnames=("impl", "chunk_size", "output_final_state"), compiler_options=opts)
+    # Heads split over every device, each running `kda` on its own (sharded_kda, as the KDA
+    # layer does under a mesh that shards heads): on CPU the devices are the cores.
+    n_dev = jax.device_count()
+    mesh = jax.make_mesh((n_dev,), ("heads",), axis_types=(jax.sharding.AxisType.Auto,))
+    heads = P(None, None, "heads")
+    split_impls = ("recurrent", "chunk") if n_dev > 1 and H % n_dev == 0 else ()
+    if split_impls:
+        print(f"{n_dev} devices: recurrent and chunk also run with the heads split over them "
+              f"({H // n_dev} per device), the key's /{n_dev}dev")
 
-    @functools.partial(jax.jit, static_argnums=(1, 2), compiler_options=opts)
-    def grad_fn(x, impl, C):
+    def call(x, impl, C, devices):
+        if devices == 1:
+            return kda(**x, impl=impl, chunk_size=C, output_final_state=True, gate_lower_bound=lb)
+        return sharded_kda(**x, spec=heads, mesh=mesh, impl=impl, chunk_size=C,
+                           output_final_state=True, gate_lower_bound=lb)
+
+    fn = jax.jit(call, static_argnums=(1, 2, 3), compiler_options=opts)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3), compiler_options=opts)
+    def grad_fn(x, impl, C, devices):
         def loss(x):
-            o, h = kda(**x, impl=impl, chunk_size=C, output_final_state=True, gate_lower_bound=lb)
+            o, h = call(x, impl, C, devices)
             return jnp.sum(o * o) + jnp.sum(h)
         return jax.grad(loss)(x)
 
@@ -241,15 +269,19 @@ def main():
         # chunks), so one prefix of --fla-tokens tokens gives their tokens/s for every T.
         results["fla"] = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
     for T in args.T:
-        x = {n: jnp.asarray(a, args.dtype) for n, a in make_inputs(B, T, H, K, V).items()}
-        runs = [(impl, C) for impl in impls
+        x1 = {n: jnp.asarray(a, args.dtype) for n, a in make_inputs(B, T, H, K, V).items()}
+        xs = {1: x1, n_dev: {n: jax.device_put(a, NamedSharding(mesh, heads)) for n, a in x1.items()}}
+        runs = [(impl, C, 1) for impl in impls
                 for C in (args.C if impl in ("chunk", "assoc") else args.C[:1])]
+        runs += [(impl, args.C[0], n_dev) for impl in impls if impl in split_impls]
         ref = ref_key = None
-        for impl, C in runs:
-            run = lambda: fn(**x, impl=impl, chunk_size=C, output_final_state=True)  # noqa: E731
+        for impl, C, devices in runs:
+            x = xs[devices]
+            run = lambda: fn(x, impl, C, devices)  # noqa: E731
             reps = args.reps if T <= 4096 else max(1, args.reps - 1)
             key = impl if C == args.C[0] else f"{impl}/C{C}"
-            label = f"T={T:6d} {key:10s} C={C:3d}"
+            key += f"/{devices}dev" if devices > 1 else ""
+            label = f"T={T:6d} {key:14s} C={C:3d}"
             secs = attempt(label, lambda: best_time(run, reps), failed)
             if secs is None:
                 continue
@@ -271,7 +303,7 @@ def main():
                       f"every token's state ({B * T * H * K * V * 4 / 2**30:.1f} GiB)")
             elif args.grad:
                 secs = attempt(label + " forward+backward",
-                               lambda: best_time(lambda: grad_fn(x, impl, C), reps), failed)
+                               lambda: best_time(lambda: grad_fn(x, impl, C, devices), reps), failed)
                 if secs is not None:
                     results[T, key + "_grad"] = B * T / secs
                     print(f"{label} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s  forward+backward")
@@ -283,7 +315,7 @@ def main():
             line += f"  chunk FLOP fraction {results[T, 'chunk_frac']:.2f} (target >= 0.3)"
         best = max((v, k[1]) for k, v in results.items()
                    if isinstance(k, tuple) and k[0] == T and k[1].startswith("chunk")
-                   and not k[1].endswith(("_frac", "_grad"))) if (T, "chunk") in results else None
+                   and not k[1].endswith(("_frac", "_grad", "dev"))) if (T, "chunk") in results else None
         if best and best[1] != "chunk":
             line += f"  (fastest: {best[1]})"
         if (T, "recurrent") in results and (T, "chunk") in results:
@@ -296,6 +328,16 @@ def main():
         if results.get("fla") and (T, "chunk") in results:
             line += f"  chunk/fla-best {results[T, 'chunk'] / results['fla']:.2f}x (target >= 2.5)"
         print(line)
+        split = f"/{n_dev}dev"
+        if (T, "chunk" + split + "_frac") in results:
+            line = (f"T={T:6d}  heads over {n_dev} devices: chunk FLOP fraction "
+                    f"{results[T, 'chunk' + split + '_frac']:.2f} (target >= 0.3)")
+            if (T, "recurrent" + split) in results:
+                line += (f"  chunk/recurrent {results[T, 'chunk' + split] / results[T, 'recurrent' + split]:.2f}x "
+                         f"(both split)")
+            if results.get("fla"):
+                line += f"  chunk/fla-best {results[T, 'chunk' + split] / results['fla']:.2f}x"
+            print(line)
     print(f"targets at T={Tmax}: chunk/recurrent >= 2x")
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")

@@ -308,17 +308,61 @@ def test_forward_command_on_a_mesh(capsys):
 
 
 @pytest.mark.parametrize("impl", ["chunk", "pallas"])
+def test_kda_layer_runs_each_devices_own_batch_and_heads(monkeypatch, impl):
+    """Under fsdp2_expert2_tensor2 (batch over 4 devices, heads over 2) every device runs
+    the recurrence on its own 1/4 of the batch and 1/2 of the heads: XLA's partitioner,
+    left alone, all-gathered q, k, v and ran the whole batch and every head on every
+    device. Outputs and gradients equal the unsharded layer's; prefill into a cache too."""
+    from k3jax.layers.kda import KimiDeltaAttention
+    from k3jax.ops import kda as kda_ops
+
+    shapes = set()
+    real = kda_ops.run_impl
+    monkeypatch.setattr(kda_ops, "run_impl", lambda impl, q, *a, **kw: shapes.add(q.shape) or real(impl, q, *a, **kw))
+    cfg = load("toy", kda_impl=impl)
+    B, T, H, K = 8, 24, cfg.kda_num_heads, cfg.kda_head_dim
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+    layer = KimiDeltaAttention(cfg)
+    params = layer.init(jax.random.PRNGKey(2), x)
+    r = jnp.asarray(rng.standard_normal((B, T, cfg.hidden_size)), jnp.float32)
+    cache = {"q_conv": jnp.zeros((B, cfg.short_conv_kernel_size - 1, H * K)), "state":
+             jnp.asarray(rng.standard_normal((B, H, K, K)), jnp.float32)}
+    cache["k_conv"] = cache["v_conv"] = cache["q_conv"]
+    n_new = jnp.full((B,), T, jnp.int32)
+
+    def loss(p, x):
+        y = layer.apply(p, x)
+        return jnp.sum(y * r), y
+
+    def run():
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        return y, grads, jax.jit(lambda p, x: layer.apply(p, x, cache=cache, n_new=n_new))(params, x)
+
+    want, want_g, want_prefill = run()
+    assert shapes == {(B, T, H, K)}
+    shapes.clear()
+    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
+    with sharding.use_mesh(mesh, rules):
+        got, got_g, got_prefill = run()
+    assert shapes == {(B // 4, T, H // 2, K)}
+    assert rel(got, want) < 1e-5
+    assert rel(flat(got_g), flat(want_g)) < 1e-5
+    assert rel(flat(got_prefill), flat(want_prefill)) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["chunk", "pallas"])
 def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
     """Under a mesh whose rules shard `length` over `context`, the KDA layer runs the
     context-parallel recurrence with the configured impl (each device its own slice, only
     state maps exchanged), and its output and gradients equal the unsharded layer's — with
     documents starting inside a device's slice and exactly at the device edge."""
-    from k3jax.layers import kda as kda_layer
     from k3jax.layers.kda import KimiDeltaAttention
+    from k3jax.ops import kda_scan
 
     calls = []
-    real = kda_layer.context_parallel_kda
-    monkeypatch.setattr(kda_layer, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = kda_scan.context_parallel_kda
+    monkeypatch.setattr(kda_scan, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = load("toy", kda_impl=impl)
     B, T = 4, 32
     rng = np.random.default_rng(5)

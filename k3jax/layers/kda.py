@@ -10,13 +10,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype, dense, logical
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.ops import kda as kda_ops
-from k3jax.ops.kda_scan import context_parallel_kda
+from k3jax.ops.kda_scan import sharded_kda
 from k3jax.sharding import active_mesh_axes, fit_spec
 
 
@@ -64,35 +63,22 @@ def forget_gate(cfg: ModelConfig, f, A_log, dt_bias):
     return -a * jax.nn.softplus(x)
 
 
-def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids):
-    """The recurrence over whole sequences. Where the rules shard `length` over a mesh axis
-    (context parallelism), each device runs its own slice and only the fixed-size state
-    maps cross devices (ops.kda_scan.context_parallel_kda); either way with the
-    configured impl."""
-    axes = active_mesh_axes(("length",))
-    if axes:
-        sizes = dict(jax.sharding.get_abstract_mesh().shape)
-        spec = fit_spec(q.shape, nn.logical_to_mesh_axes(("batch", "length", "heads", None)), sizes)
-        if spec[1] is not None:  # T divides over the context axes
-            per_channel, per_head, per_token = P(*spec), P(*spec[:3]), P(*spec[:2])
-            chunk = cfg.runtime.kda_chunk_size
-            axis = axes[0] if len(axes) == 1 else axes
+def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids=None, state=None):
+    """The recurrence over whole sequences with the configured impl: (o, outgoing state),
+    the state only when an incoming one is given (a cache's).
 
-            def local(q, k, v, g, beta, *seg):
-                return context_parallel_kda(q, k, v, g, beta, axis_name=axis, chunk_size=chunk,
-                                            impl=cfg.runtime.kda_impl,
-                                            gate_lower_bound=cfg.gate_lower_bound,
-                                            segment_ids=seg[0] if seg else None)[0]
-
-            args, specs = (q, k, v, g, beta), (per_channel,) * 4 + (per_head,)
-            if segment_ids is not None:
-                args, specs = args + (segment_ids,), specs + (per_token,)
-            # Pallas outputs carry no mesh-axis type, so shard_map's type check stays off.
-            return jax.shard_map(local, in_specs=specs, out_specs=per_channel,
-                                 check_vma=cfg.runtime.kda_impl != "pallas")(*args)
-    o, _ = kda_ops.kda(q, k, v, g, beta, segment_ids=segment_ids, impl=cfg.runtime.kda_impl,
-                       chunk_size=cfg.runtime.kda_chunk_size, gate_lower_bound=cfg.gate_lower_bound)
-    return o
+    Under a mesh each device runs its own slice of batch and heads (ops.kda_scan.
+    sharded_kda): left to XLA's partitioner, every device gathered and computed the whole
+    global batch. Where the rules shard `length` too (context parallelism), its slices
+    are consecutive pieces of time and only the fixed-size state maps cross devices."""
+    kw = dict(segment_ids=segment_ids, initial_state=state, output_final_state=state is not None,
+              impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk_size,
+              gate_lower_bound=cfg.gate_lower_bound)
+    if not active_mesh_axes(("batch", "length", "heads")):
+        return kda_ops.kda(q, k, v, g, beta, **kw)
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    spec = fit_spec(q.shape[:3], nn.logical_to_mesh_axes(("batch", "length", "heads")), sizes)
+    return sharded_kda(q, k, v, g, beta, spec=spec, **kw)
 
 
 def _a_log_init(key, shape, dtype):
@@ -151,7 +137,7 @@ class KimiDeltaAttention(nn.Module):
         beta = jax.nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x).astype(jnp.float32))
 
         if cache is None:
-            o = kda_sequence(cfg, q, k, v, g, beta, segment_ids)
+            o, _ = kda_sequence(cfg, q, k, v, g, beta, segment_ids)
         else:
             valid = jnp.arange(T)[None, :] < n_new[:, None]
             g = jnp.where(valid[..., None, None], g, 0.0)
@@ -160,9 +146,7 @@ class KimiDeltaAttention(nn.Module):
                 o, state = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache["state"])
                 o = o[:, None]
             else:
-                o, state = kda_ops.kda(q, k, v, g, beta, initial_state=cache["state"], output_final_state=True,
-                                       impl=cfg.runtime.kda_impl, chunk_size=cfg.runtime.kda_chunk_size,
-                                       gate_lower_bound=cfg.gate_lower_bound)
+                o, state = kda_sequence(cfg, q, k, v, g, beta, state=cache["state"])
             new_cache["state"] = state
 
         if cfg.use_full_rank_gate:

@@ -14,6 +14,8 @@ map a with a later map b gives (M_b M_a, M_b N_a + N_b): associative, not commut
   (M, N) pair with a pass of any impl, the fixed-size pairs are all-gathered and
   prefix-combined, and each device finishes from its true incoming state. Communication
   is O(K·(K+V)) per head and device, independent of the sequence length.
+- `sharded_kda`: `kda` over a device mesh from outside any shard_map, each device its own
+  slice of batch and heads (and of time, through context_parallel_kda).
 
 Inputs are fp32 and q carries the attention scale, as in kda_chunk; packed documents
 arrive as `reset` [B, T] bool.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import kda_chunk
 
@@ -162,5 +165,45 @@ def context_parallel_kda(
     h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)]) * keep
 
     o, _ = run(v, h_in)
-    final = after[-1] if output_final_state else None
+    final = None
+    if output_final_state:
+        # after[-1] is the same on every device, but all_gather types it as varying over
+        # the axis; one device's copy, psum'd, is typed replicated (shard_map's check then
+        # takes an out spec without the axis), at the cost of one state-sized reduction.
+        final = jax.lax.psum(jnp.where(idx == after.shape[0] - 1, after[-1], 0.0), axis_name)
     return o.astype(out_dtype), final
+
+
+def sharded_kda(q, k, v, g, beta, *, spec, mesh=None, segment_ids=None, initial_state=None,
+                output_final_state=False, impl="chunk", **kwargs):
+    """`k3jax.ops.kda.kda` over a device mesh, each device on its own slice.
+
+    spec = P(batch, length, heads): the mesh axes (or None) each of q's first three dims is
+    split over; each must divide its dim. The recurrence is independent per sequence and
+    head, so a device with a slice of batch and heads runs `kda` on it and nothing crosses
+    devices. Where `length` is split too, the slices are consecutive pieces of time and
+    context_parallel_kda exchanges only fixed-size state maps. Left to XLA's partitioner
+    instead, the chunk loop's reshapes and the Pallas calls had it all-gather q, k, v and
+    run the whole global batch and every head on every device.
+
+    mesh: a Mesh, or None for the one in context (`jax.set_mesh`, or `sharding.use_mesh`).
+    Other arguments are `kda`'s (initial_state [B, H, K, V] split like the heads). Returns
+    (o split like v, final state or None).
+    """
+    from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
+
+    batch, length, heads = (tuple(spec) + (None,) * 3)[:3]
+    per_head, per_state = P(batch, length, heads), P(batch, heads)  # [B, T, H, ·], [B, H, ·]
+
+    def local(q, k, v, g, beta, segment_ids, initial_state):
+        kw = dict(segment_ids=segment_ids, initial_state=initial_state,
+                  output_final_state=output_final_state, impl=impl, **kwargs)
+        if length is None:
+            return kda_mod.kda(q, k, v, g, beta, **kw)
+        return context_parallel_kda(q, k, v, g, beta, axis_name=length, **kw)
+
+    # Pallas outputs carry no mesh-axis type, so shard_map's type check stays off for them.
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(per_head,) * 5 + (P(batch, length), per_state),
+                         out_specs=(per_head, per_state if output_final_state else None),
+                         check_vma=impl != "pallas")(q, k, v, g, beta, segment_ids, initial_state)
