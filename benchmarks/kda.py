@@ -180,6 +180,27 @@ def time_fla(fla, x, C):
     return best
 
 
+def summary_line(results, T, devices, fla_rate):
+    """The issue's ratios at one T, for the runs on one device or with the heads split."""
+    r = {k: v for (t, d, k), v in results.items() if (t, d) == (T, devices)}
+    line = f"T={T:6d}" + (f"  heads over {devices} devices:" if devices > 1 else "  one device:")
+    if "chunk_frac" in r:
+        line += f"  chunk FLOP fraction {r['chunk_frac']:.2f} (target >= 0.3)"
+    sizes = [(v, k) for k, v in r.items() if k.startswith("chunk") and not k.endswith(("_frac", "_grad"))]
+    best = max(sizes) if "chunk" in r else None
+    if best and best[1] != "chunk":
+        line += f"  (fastest: {best[1]})"
+    if "recurrent" in r and "chunk" in r:
+        line += f"  chunk/recurrent {r['chunk'] / r['recurrent']:.2f}x"
+        if best and best[1] != "chunk":  # the same outputs: the chunk size is a speed knob
+            line += f" ({best[1]}: {best[0] / r['recurrent']:.2f}x)"
+    if "recurrent_grad" in r and "chunk_grad" in r:
+        line += f" (forward+backward {r['chunk_grad'] / r['recurrent_grad']:.2f}x)"
+    if fla_rate and "chunk" in r:
+        line += f"  chunk/fla-best {r['chunk'] / fla_rate:.2f}x (target >= 2.5)"
+    return line
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -263,81 +284,56 @@ def main():
             return jnp.sum(o * o) + jnp.sum(h)
         return jax.grad(loss)(x)
 
-    results, failed = {}, []
+    # results[T, devices, key]: tokens/s; key "chunk", "chunk/C32", "chunk_frac", "chunk_grad", ...
+    results, failed, fla_rate = {}, [], None
     if fla is not None:
         # Both torch references cost linear time in T (a Python loop over tokens or over
         # chunks), so one prefix of --fla-tokens tokens gives their tokens/s for every T.
-        results["fla"] = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
+        fla_rate = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
     for T in args.T:
         x1 = {n: jnp.asarray(a, args.dtype) for n, a in make_inputs(B, T, H, K, V).items()}
         xs = {1: x1, n_dev: {n: jax.device_put(a, NamedSharding(mesh, heads)) for n, a in x1.items()}}
-        runs = [(impl, C, 1) for impl in impls
-                for C in (args.C if impl in ("chunk", "assoc") else args.C[:1])]
-        runs += [(impl, args.C[0], n_dev) for impl in impls if impl in split_impls]
+        sizes = lambda impl: args.C if impl in ("chunk", "assoc") else args.C[:1]  # noqa: E731
+        runs = [(impl, C, 1) for impl in impls for C in sizes(impl)]
+        runs += [(impl, C, n_dev) for impl in impls if impl in split_impls for C in sizes(impl)]
         ref = ref_key = None
         for impl, C, devices in runs:
             x = xs[devices]
             run = lambda: fn(x, impl, C, devices)  # noqa: E731
             reps = args.reps if T <= 4096 else max(1, args.reps - 1)
             key = impl if C == args.C[0] else f"{impl}/C{C}"
-            key += f"/{devices}dev" if devices > 1 else ""
-            label = f"T={T:6d} {key:14s} C={C:3d}"
+            shown = key + (f"/{devices}dev" if devices > 1 else "")
+            label = f"T={T:6d} {shown:14s} C={C:3d}"
             secs = attempt(label, lambda: best_time(run, reps), failed)
             if secs is None:
                 continue
             o = run()[0].astype(jnp.float32)
             if ref is None:
-                ref, ref_key = o, key
+                ref, ref_key = o, shown
             err = float(jnp.sqrt(jnp.mean((o - ref) ** 2) / jnp.mean(ref**2)))
-            results[T, key] = B * T / secs
+            results[T, devices, key] = B * T / secs
             extra = ""
             if impl == "chunk":
                 rate = B * chunk_flops(T, H, K, V, C) / secs
-                results[T, key + "_frac"] = rate / peak
+                results[T, devices, key + "_frac"] = rate / peak
                 extra = (f"  {rate / 1e9:.1f} GFLOP/s = {rate / peak:.2f} of dense matmul, "
                          f"{rate / batched:.2f} of batched")
             print(f"{label} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s{extra}"
-                  + (f"  err {err:.1e} vs {ref_key}" if ref_key != key else ""))
+                  + (f"  err {err:.1e} vs {ref_key}" if ref_key != shown else ""))
             if args.grad and impl == "recurrent" and B * T * H * K * V * 4 > 4 * 2**30:
-                print(f"T={T:6d} {key:10s} forward+backward not timed: its autodiff keeps "
+                print(f"{label} forward+backward not timed: its autodiff keeps "
                       f"every token's state ({B * T * H * K * V * 4 / 2**30:.1f} GiB)")
             elif args.grad:
                 secs = attempt(label + " forward+backward",
                                lambda: best_time(lambda: grad_fn(x, impl, C, devices), reps), failed)
                 if secs is not None:
-                    results[T, key + "_grad"] = B * T / secs
+                    results[T, devices, key + "_grad"] = B * T / secs
                     print(f"{label} {secs * 1e3:9.1f} ms  {B * T / secs:10.0f} tok/s  forward+backward")
     Tmax = max(args.T)
     print("--- summary")
     for T in args.T:
-        line = f"T={T:6d}"
-        if (T, "chunk_frac") in results:
-            line += f"  chunk FLOP fraction {results[T, 'chunk_frac']:.2f} (target >= 0.3)"
-        best = max((v, k[1]) for k, v in results.items()
-                   if isinstance(k, tuple) and k[0] == T and k[1].startswith("chunk")
-                   and not k[1].endswith(("_frac", "_grad", "dev"))) if (T, "chunk") in results else None
-        if best and best[1] != "chunk":
-            line += f"  (fastest: {best[1]})"
-        if (T, "recurrent") in results and (T, "chunk") in results:
-            line += f"  chunk/recurrent {results[T, 'chunk'] / results[T, 'recurrent']:.2f}x"
-            if best and best[1] != "chunk":  # the same outputs: the chunk size is a speed knob
-                line += f" ({best[1]}: {best[0] / results[T, 'recurrent']:.2f}x)"
-        if (T, "recurrent_grad") in results and (T, "chunk_grad") in results:
-            line += (f" (forward+backward "
-                     f"{results[T, 'chunk_grad'] / results[T, 'recurrent_grad']:.2f}x)")
-        if results.get("fla") and (T, "chunk") in results:
-            line += f"  chunk/fla-best {results[T, 'chunk'] / results['fla']:.2f}x (target >= 2.5)"
-        print(line)
-        split = f"/{n_dev}dev"
-        if (T, "chunk" + split + "_frac") in results:
-            line = (f"T={T:6d}  heads over {n_dev} devices: chunk FLOP fraction "
-                    f"{results[T, 'chunk' + split + '_frac']:.2f} (target >= 0.3)")
-            if (T, "recurrent" + split) in results:
-                line += (f"  chunk/recurrent {results[T, 'chunk' + split] / results[T, 'recurrent' + split]:.2f}x "
-                         f"(both split)")
-            if results.get("fla"):
-                line += f"  chunk/fla-best {results[T, 'chunk' + split] / results['fla']:.2f}x"
-            print(line)
+        for devices in (1, n_dev) if split_impls else (1,):
+            print(summary_line(results, T, devices, fla_rate))
     print(f"targets at T={Tmax}: chunk/recurrent >= 2x")
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
