@@ -35,9 +35,10 @@ dense reference uses all of it. Split over two devices each core runs its own he
 
 `--xla-cpu-dots onednn` compiles every timed function (the dense and batched references
 too, so the ratios stay like for like) with XLA:CPU's experimental oneDNN dot library.
-oneDNN's batched dots use every core, even on one device. It is a measurement of that ceiling, not a setting k3jax uses: runs with it abort now and then
-with heap corruption inside XLA's oneDNN thread pool (seen in this script and in
-benchmarks/train_step.py, jaxlib 0.10.2), so rerun one that dies.
+oneDNN's batched dots use every core, even on one device. It is a measurement of that
+ceiling, not a setting k3jax uses: runs with it abort now and then with heap corruption
+inside XLA's oneDNN thread pool (seen in this script and in benchmarks/train_step.py,
+jaxlib 0.10.2), so rerun one that dies.
 """
 
 from __future__ import annotations
@@ -292,7 +293,9 @@ def main():
         fla_rate = time_fla(fla, make_inputs(B, args.fla_tokens, H, K, V), args.C[0])
     for T in args.T:
         x1 = {n: jnp.asarray(a, args.dtype) for n, a in make_inputs(B, T, H, K, V).items()}
-        xs = {1: x1, n_dev: {n: jax.device_put(a, NamedSharding(mesh, heads)) for n, a in x1.items()}}
+        xs = {1: x1}
+        if split_impls:
+            xs[n_dev] = {n: jax.device_put(a, NamedSharding(mesh, heads)) for n, a in x1.items()}
         sizes = lambda impl: args.C if impl in ("chunk", "assoc") else args.C[:1]  # noqa: E731
         runs = [(impl, C, 1) for impl in impls for C in sizes(impl)]
         runs += [(impl, C, n_dev) for impl in impls if impl in split_impls for C in sizes(impl)]
