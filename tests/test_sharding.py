@@ -174,6 +174,42 @@ def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
 
 
 
+@pytest.mark.parametrize("preset,N", [("data8", 24), ("fsdp2_expert2_tensor2", 21)])
+def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
+    """Under a mesh 'ragged' sorts and multiplies each device's own tokens (every expert's
+    weights on every device, their hidden split over tensor): left to XLA's partitioner
+    every device sorted and ran the whole batch. Router top_k too. Values and gradients
+    equal `dense`, with a token count the shards do not divide (21 over 4: padded)."""
+    cfg = load("toy")
+    E, H, F, k = 8, 8, 8, 2
+    r = np.random.default_rng(2)
+    z = jnp.asarray(r.normal(size=(N, H)), jnp.float32)
+    gate = jnp.asarray(r.normal(size=(H, E)), jnp.float32)
+    w1, w3 = (jnp.asarray(r.normal(size=(E, H, F)), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
+    rows, topk_rows = set(), set()
+    real_gmm, real_top_k = moe.grouped_matmul, jax.lax.top_k
+    monkeypatch.setattr(moe, "grouped_matmul", lambda x, *a: rows.add(x.shape[0]) or real_gmm(x, *a))
+    monkeypatch.setattr(jax.lax, "top_k", lambda x, k: topk_rows.add(x.shape[0]) or real_top_k(x, k))
+
+    def f(fn, z, gate, w1, w2, w3):
+        idx, w, _ = moe.route(z, gate, jnp.zeros((E,)), k, True, 1.0)
+        y = fn(cfg, z, idx, w, w1, w2, w3)
+        return jnp.sum(jnp.sin(y)), y
+    grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
+    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, gate, w1, w2, w3)
+    topk_rows.clear()
+    mesh, rules = sharding.load_mesh(preset)
+    with sharding.use_mesh(mesh, rules):
+        (_, y), g = jax.jit(grad(functools.partial(f, moe.experts_ragged)))(z, gate, w1, w2, w3)
+    shards = 8 if preset == "data8" else 4                 # fsdp2_expert2: batch over fsdp, expert
+    assert rows == {-(-N // shards) * k}
+    assert topk_rows == ({N // shards} if N % shards == 0 else {N})  # undivided: top_k replicated
+    assert rel(y, y0) < TOL
+    for a, b in zip(g, g0):
+        assert rel(a, b) < TOL
+
+
 def _kept_pairs(idx, P, El, R):
     """The documented capacity policy in NumPy: tokens split into P contiguous blocks (one
     per device of an expert-only mesh); each device receives its experts' pairs packed in

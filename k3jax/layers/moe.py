@@ -33,11 +33,23 @@ def route(x, gate_w, bias, top_k: int, renormalize: bool, scaling: float):
     """
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), gate_w.astype(jnp.float32), precision=HIGHEST)
     scores = jax.nn.sigmoid(logits)
-    _, idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
+    idx = _top_k_indices(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     if renormalize and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * scaling, scores
+
+
+def _top_k_indices(x, top_k: int):
+    """top_k's indices along the last axis, on each device's own tokens under a mesh: XLA's
+    partitioner gathers every token's scores onto every device for a TopK (jaxlib 0.10),
+    [N, E] per MoE layer, which for K3 is every token of the global batch times 896."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tok = _token_axes()
+    if not tok or x.shape[0] % math.prod(dict(mesh.shape)[a] for a in tok):
+        return jax.lax.top_k(x, top_k)[1]
+    spec = PartitionSpec(tok)
+    return jax.shard_map(lambda x: jax.lax.top_k(x, top_k)[1], in_specs=spec, out_specs=spec)(x)
 
 
 def experts_dense(cfg: ModelConfig, z, idx, w, w1, w2, w3):
@@ -49,8 +61,10 @@ def experts_dense(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     return jnp.einsum("ne,ned->nd", comb, out.astype(jnp.float32), precision=HIGHEST)
 
 
-def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
-    """Sort (token, slot) pairs by expert, grouped matmuls, unsort, fp32 combine."""
+def _ragged_local(cfg: ModelConfig, tensor: str | None, z, idx, w, w1, w2, w3):
+    """Sort (token, slot) pairs by expert, grouped matmuls, unsort, fp32 combine. Token
+    ids >= E (padding) sort last, count for no expert and come out zero. With the expert
+    hidden split over `tensor`, each shard's w2 product is partial: summed there."""
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -60,7 +74,51 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     u = grouped_matmul(rows, w3, sizes)
     out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
     unsorted = jnp.zeros_like(out).at[order].set(out)
-    return jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
+    y = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
+    return jax.lax.psum(y, tensor) if tensor else y
+
+
+def _tensor_axis(sizes: dict, hidden: int) -> str | None:
+    """`tensor` where it splits the expert hidden evenly, else None (hidden replicated)."""
+    return "tensor" if sizes.get("tensor", 1) > 1 and hidden % sizes["tensor"] == 0 else None
+
+
+def _split_tokens(z, idx, w, shards: int, num_experts: int):
+    """Tokens padded to a multiple of `shards`; padded tokens route nowhere (expert id E)
+    and carry weight 0. Returns (z, idx, w, n) with n the real token count."""
+    n = z.shape[0]
+    pad = -n % shards
+    if pad:
+        z = jnp.pad(z, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=num_experts)
+        w = jnp.pad(w, ((0, pad), (0, 0)))
+    return z, idx, w, n
+
+
+def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
+    """Dropless grouped matmuls over every expert. Under a mesh each device sorts and runs
+    its own tokens (a shard_map over the token axes, every expert's weights on every
+    device, their hidden split over `tensor`): left to XLA's partitioner, the sort
+    gathered every token's routing onto every device, which then ran the whole batch's
+    expert matmuls."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    tok, tensor = _token_axes(), _tensor_axis(sizes, w1.shape[-1])
+    if not tok and not tensor:
+        return _ragged_local(cfg, None, z, idx, w, w1, w2, w3)
+    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[a] for a in tok), w1.shape[0])
+    ts = PartitionSpec(tok or None)
+    wspec_in, wspec_out = PartitionSpec(None, None, tensor), PartitionSpec(None, tensor, None)
+    fn = jax.shard_map(functools.partial(_ragged_local, cfg, tensor),
+                       in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=ts)
+    return fn(z, idx, w, w1, w2, w3)[:n]
+
+
+def _token_axes() -> tuple[str, ...]:
+    """Mesh axes (size > 1) the MoE splits tokens over: those the active rules give
+    (batch, length), so tokens enter where the model already keeps them. Never `tensor`:
+    tensor shards share tokens and split the expert hidden."""
+    return tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,19 +251,11 @@ def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = 
     E, F = w1.shape[0], w1.shape[-1]
     if E % sizes["expert"]:
         raise ValueError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
-    tensor = "tensor" if sizes.get("tensor", 1) > 1 and F % sizes["tensor"] == 0 else None
-    # Token axes follow the active rules for (batch, length), so tokens enter the shard_map
-    # where the model already keeps them; `expert` is added so each expert shard holds
-    # different tokens. Never `tensor`: tensor shards share tokens and split the hidden.
-    tok = tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
+    tensor = _tensor_axis(sizes, F)
+    # `expert` joins the token axes so that each expert shard holds different tokens.
+    tok = _token_axes()
     tok += () if "expert" in tok else ("expert",)
-    shards = math.prod(sizes[b] for b in tok)
-    n = z.shape[0]
-    pad = -n % shards      # padded tokens route nowhere (expert id E), carry weight 0, are cut off
-    if pad:
-        z = jnp.pad(z, ((0, pad), (0, 0)))
-        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=E)
-        w = jnp.pad(w, ((0, pad), (0, 0)))
+    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[b] for b in tok), E)
     ts = PartitionSpec(tok)
     wspec_in, wspec_out = PartitionSpec("expert", None, tensor), PartitionSpec("expert", tensor, None)
     fn = jax.shard_map(functools.partial(_ep_local, cfg, _a2a_mode(), tensor),
