@@ -173,7 +173,6 @@ def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
         assert rel(a, b) < TOL
 
 
-
 @pytest.mark.parametrize("preset,N", [("data8", 24), ("fsdp2_expert2_tensor2", 21)])
 def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     """Under a mesh 'ragged' sorts and multiplies each device's own tokens (every expert's

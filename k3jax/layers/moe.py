@@ -3,7 +3,7 @@
 `dense` runs every expert on every token (an einsum; small and obviously right, the CPU
 oracle); `ragged` sorts the (token, expert) pairs by expert and runs one grouped matmul
 per weight (`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) —
-dropless, no capacity factor; `ep` sends each pair to
+dropless, no capacity factor, each device on its own tokens under a mesh; `ep` sends each pair to
 the device that owns its expert and runs the grouped matmuls there, dropless by default or
 with a receive capacity (`RuntimeOptions.ep_capacity_factor`). All combine in fp32.
 """
@@ -38,6 +38,13 @@ def route(x, gate_w, bias, top_k: int, renormalize: bool, scaling: float):
     if renormalize and top_k > 1:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * scaling, scores
+
+
+def _token_axes() -> tuple[str, ...]:
+    """Mesh axes (size > 1) the MoE splits tokens over: those the active rules give
+    (batch, length), so tokens enter where the model already keeps them. Never `tensor`:
+    tensor shards share tokens and split the expert hidden."""
+    return tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
 
 
 def _top_k_indices(x, top_k: int):
@@ -112,13 +119,6 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     fn = jax.shard_map(functools.partial(_ragged_local, cfg, tensor),
                        in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=ts)
     return fn(z, idx, w, w1, w2, w3)[:n]
-
-
-def _token_axes() -> tuple[str, ...]:
-    """Mesh axes (size > 1) the MoE splits tokens over: those the active rules give
-    (batch, length), so tokens enter where the model already keeps them. Never `tensor`:
-    tensor shards share tokens and split the expert hidden."""
-    return tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
 
 
 # ---------------------------------------------------------------------------------------
