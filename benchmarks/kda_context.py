@@ -2,8 +2,9 @@
 
     python benchmarks/kda_context.py [--T 16384] [--devices 2] [--H 8] [--K 128] [--C 64]
 
-Runs `kda(impl=...)` on the whole sequence on one device, and `context_parallel_kda` over
-`--devices` fake CPU devices (each holding T / devices tokens), forward and gradient.
+Runs `kda(impl=...)` on the whole sequence on one device, and `sharded_kda` with the time
+axis split over `--devices` fake CPU devices (context_parallel_kda on each, holding
+T / devices tokens), forward and gradient.
 Prints XLA's per-device temp allocation of each compiled program and its best time. On
 this 2-core machine each of two fake devices runs on its own core, but each makes two
 passes over its half (the state map with V + K value columns, then the outputs), so the
@@ -37,7 +38,7 @@ def main():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.ops.kda import kda
-    from k3jax.ops.kda_scan import context_parallel_kda
+    from k3jax.ops.kda_scan import sharded_kda
     from kda import best_time, make_inputs  # benchmarks/kda.py, beside this file
 
     B, T, H, K, C = args.B, args.T, args.H, args.K, args.C
@@ -49,10 +50,9 @@ def main():
     def whole(*a):
         return kda(*a, impl=args.impl, chunk_size=C)[0]
 
-    def local(*a):
-        return context_parallel_kda(*a, axis_name="context", impl=args.impl, chunk_size=C)[0]
+    def split(*a):
+        return sharded_kda(*a, spec=tok, mesh=mesh, impl=args.impl, chunk_size=C)[0]
 
-    split = jax.shard_map(local, mesh=mesh, in_specs=(tok,) * 5, out_specs=tok)
     print(f"B={B} T={T} H={H} K=V={K} C={C} impl={args.impl}; "
           f"context parallel over {args.devices} devices of {T // args.devices} tokens")
     rows = {}
