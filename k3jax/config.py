@@ -21,10 +21,12 @@ from typing import Any
 
 import yaml
 
+from k3jax.errors import K3JaxError
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(K3JaxError):
     """A config key is unknown, missing or inconsistent; the message names it."""
 
 

@@ -1,15 +1,23 @@
-"""k3jax Orbax checkpoint → the released safetensors layout (vLLM / SGLang / transformers).
+"""k3jax checkpoint or training run → the released safetensors layout (vLLM / SGLang / transformers).
 
-Names and shapes come from the same `names.tensor_map` the converter uses. Dtypes follow
+The source is a `k3jax convert` output, a training run directory (its newest checkpoint)
+or one of its `checkpoints/N` (`k3jax.checkpoint.load.resolve`); from a run only the
+params are read. Names and shapes come from the same `names.tensor_map` the converter uses. Dtypes follow
 the released checkpoint (`names.release_dtype`: bf16, except KDA A_log, dt_bias, conv
 weights, o_norm and the router bias in fp32); `A_log` is zero-padded back to head_dim in
-the K3 layout. Routed experts are re-packed to MXFP4 unless `experts_bf16`.
+the K3 layout. Every tensor is written in its release dtype whatever the run trained in,
+with one exception for runs: the params the model keeps in fp32 even with bf16 params
+(norms, AttnRes vectors) stay fp32 when the run holds them so, since rounding them would
+change the run's logits (~1e-2 on the toy model) and a serving stack casts them on load
+anyway. The result's `casts` counts each (stored dtype → written dtype) change, so a run
+trained with fp32 params says how many matrices were rounded to bf16, and `kept_fp32`
+counts the exceptions. Routed experts are re-packed to MXFP4 unless `experts_bf16`.
 
 Byte-identical MXFP4: a group whose codes are all ±0 keeps no trace of its scale byte in
 the values, so re-deriving scales cannot reproduce every stored tensor. The converter
 keeps the original scale bytes (`mxfp4_scales/`); an expert is re-packed with them when
 that reproduces its current values exactly (it was not changed since conversion), and
-freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise.
+freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise (always, for a run).
 
 Vision: the `vision/` tree goes back under its `vision_tower.*` / `mm_projector.*` names
 (`k3jax.vision.vision_names`), each tensor in the dtype it was converted from (the
@@ -30,32 +38,33 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.checkpoint.convert import FORMAT, MANIFEST
 from k3jax.checkpoint.hf_params import from_tree_layout
-from k3jax.checkpoint.load import local_path
+from k3jax.checkpoint.load import local_path, resolve
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
 from k3jax.checkpoint.orbax_io import open_leaf, stored_leaves
 from k3jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME, write_safetensors
 from k3jax.config import K3Config
+from k3jax.errors import K3JaxError
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
 
 class _Leaves:
-    """Slices of one Orbax item's leaves, each leaf opened once."""
+    """Slices of one Orbax item's leaves (those under `prefix`), each leaf opened once."""
 
-    def __init__(self, item_dir: Path):
-        self.item_dir = item_dir
-        self.paths = set(stored_leaves(item_dir))
+    def __init__(self, item_dir: Path, prefix: tuple = ()):
+        self.item_dir, self.prefix = item_dir, tuple(prefix)
+        n = len(self.prefix)
+        self.paths = {p[n:] for p in stored_leaves(item_dir) if p[:n] == self.prefix}
         self._open: dict = {}
 
     def get(self, path, index) -> np.ndarray:
         if path not in self.paths:
-            raise ValueError(f"{self.item_dir}: no leaf {'.'.join(path)}")
+            raise K3JaxError(f"{self.item_dir}: no leaf {'.'.join(self.prefix + tuple(path))}")
         leaf = self._open.get(path)
         if leaf is None:
-            leaf = self._open[path] = open_leaf(self.item_dir, path)
+            leaf = self._open[path] = open_leaf(self.item_dir, self.prefix + tuple(path))
         return np.asarray((leaf[tuple(index)] if index else leaf).read().result())
 
 
@@ -96,8 +105,13 @@ class _ShardWriter:
         (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _cast(arr: np.ndarray, dtype_str: str) -> np.ndarray:
-    return np.ascontiguousarray(arr.astype(DTYPES[dtype_str]))
+def _cast(arr: np.ndarray, dtype_str: str, casts: dict | None = None) -> np.ndarray:
+    """`arr` in the safetensors dtype `dtype_str`; a change of dtype is counted in `casts`."""
+    want = DTYPES[dtype_str]
+    if casts is not None and arr.dtype != want:
+        key = f"{arr.dtype.name} -> {dtype_str}"
+        casts[key] = casts.get(key, 0) + 1
+    return np.ascontiguousarray(arr.astype(want))
 
 
 def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
@@ -109,7 +123,7 @@ def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
     return quantize_mxfp4(w)
 
 
-def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str]) -> None:
+def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str], casts: dict) -> None:
     """The vision tree back under its checkpoint names, in the dtype each tensor was
     converted from (bf16, the released dtype, when the manifest does not say)."""
     from k3jax.vision.vision_names import to_hf, vision_tensor_map
@@ -117,33 +131,42 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
     if k3.vision is None:
         raise ValueError("the checkpoint holds vision params but its config.json has no vision_config")
     for e in vision_tensor_map(k3.vision):
-        out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16")))
+        out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16"), casts))
 
 
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = False) -> dict:
-    """Write HF_DIR; returns the index dict's metadata plus counts."""
-    ckpt_dir, hf_dir = local_path(ckpt_dir, "checkpoint"), local_path(hf_dir, "output")
-    manifest_path = ckpt_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a finished `k3jax convert` output)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    """Write HF_DIR from a `k3jax convert` output, a training run or one of its
+    checkpoints/N. Returns the index's total_size, shard and tensor counts, the source
+    (`ModelSource.describe()`) and `casts` {'float32 -> BF16': n, ...}: every tensor whose
+    stored dtype differs from the one written (MXFP4 packing is not counted), and
+    `kept_fp32`, the count of a run's fp32-kept params written as fp32 (module docstring)."""
+    hf_dir = local_path(hf_dir, "output")
+    src = resolve(ckpt_dir)
+    if src.kind == "hf":
+        raise K3JaxError(f"{src.path}: already an HF safetensors checkpoint; export reads a `k3jax convert` "
+                         "output or a training run")
     if hf_dir.exists():
         raise FileExistsError(f"{hf_dir} already exists; refusing to overwrite it")
-    hf_config = json.loads((ckpt_dir / "config.json").read_text())
-    k3 = K3Config.from_hf(hf_config)
-    cfg, layout = k3.text, manifest["layout"]
+    hf_config = src.k3.to_hf()
+    k3 = src.k3
+    cfg, layout = k3.text, src.layout
+    if not experts_bf16 and cfg.num_experts and not _has_quantization_config(hf_config):
+        raise K3JaxError(f"{src.describe()}: its config.json has no quantization_config describing MXFP4 "
+                         "experts (a config without MXFP4 experts); export with --experts-bf16")
 
-    if (ckpt_dir / "extra").exists():
+    if src.kind == "orbax" and (src.path / "extra").exists():
         # the first conversions kept vision tensors verbatim there; exporting without them
         # would silently drop the vision tower
-        raise ValueError(f"{ckpt_dir}: vision tensors in extra/ come from an older `k3jax convert`; "
+        raise K3JaxError(f"{src.path}: vision tensors in extra/ come from an older `k3jax convert`; "
                          "convert the HF directory again")
-    params = _Leaves(ckpt_dir / "params")
-    scales = _Leaves(ckpt_dir / "mxfp4_scales") if (ckpt_dir / "mxfp4_scales").exists() else None
-    entries = tensor_map(cfg, layout, manifest["dense_mlp_name"])
+    params = _Leaves(src.item_dir, src.prefix)
+    scales_dir = src.path / "mxfp4_scales" if src.kind == "orbax" else None
+    scales = _Leaves(scales_dir) if scales_dir is not None and scales_dir.exists() else None
+    entries = tensor_map(cfg, layout, src.dense_mlp_name)
+    casts: dict[str, int] = {}
+    keep_fp32 = _model_fp32_paths(cfg) if src.kind == "run" else set()
+    kept = 0
 
     from tqdm import tqdm
     tmp = hf_dir.parent / f".{hf_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
@@ -156,30 +179,49 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
             slot = params.get(e.path, e.index)
             if not e.is_expert:
                 shape = stored_shape(e, slot.shape, cfg, layout)
-                out.add(e.hf, _cast(from_tree_layout(e, slot, shape), release_dtype(e.hf)))
+                dtype = release_dtype(e.hf)
+                if dtype != "F32" and e.path in keep_fp32 and slot.dtype == np.float32:
+                    dtype, kept = "F32", kept + 1
+                out.add(e.hf, _cast(from_tree_layout(e, slot, shape), dtype, casts))
             else:
                 w = np.ascontiguousarray(slot.T)  # [in, out] -> [out, in]
                 if experts_bf16:
-                    out.add(f"{e.hf}.weight", _cast(w, "BF16"))
+                    out.add(f"{e.hf}.weight", _cast(w, "BF16", casts))
                 else:
                     scale = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
                     packed, scale = _pack_expert(w, scale)
                     out.add(f"{e.hf}.weight_packed", packed)
                     out.add(f"{e.hf}.weight_scale", scale)
             bar.update(1)
-        if (ckpt_dir / "vision").exists():
-            _add_vision(out, k3, _Leaves(ckpt_dir / "vision"), manifest.get("vision_dtypes") or {})
+        if src.kind == "orbax" and (src.path / "vision").exists():
+            _add_vision(out, k3, _Leaves(src.path / "vision"), src.manifest.get("vision_dtypes") or {}, casts)
         bar.close()
         out.finish()
-        if experts_bf16:  # the packed-weight quantization block no longer describes the files
-            target = hf_config.get("text_config", hf_config)
-            target.pop("quantization_config", None)
-            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if src.kind == "orbax" and not experts_bf16:
+            shutil.copyfile(src.path / "config.json", tmp / "config.json")   # byte for byte
         else:
-            shutil.copyfile(ckpt_dir / "config.json", tmp / "config.json")
+            if experts_bf16:  # the packed-weight quantization block no longer describes the files
+                hf_config.get("text_config", hf_config).pop("quantization_config", None)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         os.rename(tmp, hf_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files)}
+    return {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files),
+            "source": src.describe(), "casts": casts, "kept_fp32": kept}
 
+
+def _model_fp32_paths(cfg) -> set:
+    """Param paths the model keeps in fp32 even when its params are bf16."""
+    import jax
+    from flax import linen as nn
+
+    from k3jax.model import abstract_params
+    tree = nn.unbox(abstract_params(cfg.with_runtime(param_dtype="bfloat16")))
+    return {tuple(k.key for k in p) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if leaf.dtype == np.float32}
+
+
+def _has_quantization_config(hf_config: dict) -> bool:
+    return bool(hf_config.get("text_config", hf_config).get("quantization_config")
+                or hf_config.get("quantization_config"))

@@ -135,6 +135,30 @@ def _data_path(path: str) -> str:
     return in_repo if os.path.exists(in_repo) else path
 
 
+def _shown(path: str) -> str:
+    """A path as the user would type it: relative when under the working directory."""
+    if rundir.is_url(path):
+        return path
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def next_commands(run_dir: str, k3, tc: dict, config_path: str) -> list[str]:
+    """What to do with a finished run: every command that takes a model directory takes it."""
+    import shlex
+    run = shlex.quote(_shown(run_dir))
+    out = shlex.quote(_shown(run_dir.rstrip("/") + "-hf"))
+    quant = (k3.to_hf().get("text_config", {}).get("quantization_config")
+             or k3.to_hf().get("quantization_config"))
+    experts = "" if quant or not k3.text.num_experts else " --experts-bf16"
+    prompt = shlex.quote(tc["sample_prompt"] or "Hello")
+    return [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
+            f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids",
+            f"k3jax export {run} {out}{experts}      # the released safetensors layout",
+            f"k3jax train {shlex.quote(config_path)} init_from={run} run_name={shlex.quote(str(tc['run_name']))}-2"
+            f"   # a new run from these weights"]
+
+
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
     """Train from a YAML preset. `mesh`: a preset of configs/meshes (or a YAML path): params,
     optimizer state and batches are sharded over it and 'ep' expert dispatch is used where
@@ -280,4 +304,8 @@ def _run(config_path: str, overrides, log, mesh) -> int:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
+    if rc == 0 and not stop["sigterm"]:
+        log("next (a run directory or its checkpoints/N works wherever a model directory does):")
+        for line in next_commands(run_dir, k3, tc, config_path):
+            log(f"  {line}")
     return rc
