@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3jax.config import ConfigError
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -19,7 +21,7 @@ class ByteTokenizer:
         for name in ("bos_id", "eos_id", "pad_id"):
             v = getattr(self, name)
             if not 256 <= v < self.vocab_size:
-                raise ValueError(f"{name}={v}: special ids must lie in [256, vocab_size={self.vocab_size})")
+                raise ConfigError(f"{name}={v}: special ids must lie in [256, vocab_size={self.vocab_size})")
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -56,20 +58,18 @@ class TiktokenTokenizer:
 
     def __init__(self, bpe_file: str, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int | None = None,
                  special_names: dict[int, str] | None = None, pattern: str | None = None):
-        try:
-            import tiktoken
-            from tiktoken.load import load_tiktoken_bpe
-        except ImportError as e:  # a clear message instead of a bare ModuleNotFoundError
-            raise ImportError("the real-vocabulary tokenizer needs `pip install tiktoken`") from e
+        from k3jax.errors import require
+        tiktoken = require("tiktoken", "tokenizer", "the real vocabulary's tokenizer (tokenizer: tiktoken)")
+        from tiktoken.load import load_tiktoken_bpe
         ranks = load_tiktoken_bpe(bpe_file)
         n_base = len(ranks)
         if n_base > vocab_size:
-            raise ValueError(f"{bpe_file}: {n_base} BPE ranks exceed vocab_size={vocab_size}")
+            raise ConfigError(f"{bpe_file}: {n_base} BPE ranks exceed vocab_size={vocab_size}")
         names = dict(special_names or {})
         specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, vocab_size)}
         for name, i in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id)):
             if i is not None and not n_base <= i < vocab_size:
-                raise ValueError(f"{name}={i}: special ids must lie in [{n_base}, {vocab_size})")
+                raise ConfigError(f"{name}={i}: special ids must lie in [{n_base}, {vocab_size})")
         self._enc = tiktoken.Encoding(name="k3jax_bpe", pat_str=pattern or self.DEFAULT_PATTERN,
                                       mergeable_ranks=ranks, special_tokens=specials)
         self.n_base, self.vocab_size = n_base, vocab_size
@@ -90,7 +90,7 @@ def tokenizer_for(cfg, kind: str = "byte", bpe_file: str | None = None, pattern:
         return ByteTokenizer.for_config(cfg)
     if kind == "tiktoken":
         if not bpe_file:
-            raise ValueError("tokenizer 'tiktoken' needs data.bpe_file (the checkpoint's tiktoken.model)")
+            raise ConfigError("tokenizer 'tiktoken' needs data.bpe_file (the checkpoint's tiktoken.model)")
         return TiktokenTokenizer(bpe_file, vocab_size=cfg.vocab_size, bos_id=cfg.bos_token_id,
                                  eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id, pattern=pattern)
-    raise ValueError(f"unknown tokenizer {kind!r} (expected 'byte' or 'tiktoken')")
+    raise ConfigError(f"unknown tokenizer {kind!r} (expected 'byte' or 'tiktoken')")

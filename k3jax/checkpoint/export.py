@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from k3jax.checkpoint.hf_params import from_tree_layout
+from k3jax.checkpoint.dirs import remove_stale_temps, temp_sibling
 from k3jax.checkpoint.load import local_path, resolve
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
@@ -129,13 +129,13 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
     from k3jax.vision.vision_names import to_hf, vision_tensor_map
 
     if k3.vision is None:
-        raise ValueError("the checkpoint holds vision params but its config.json has no vision_config")
+        raise K3JaxError("the checkpoint holds vision params but its config.json has no vision_config")
     for e in vision_tensor_map(k3.vision):
         out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16"), casts))
 
 
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = False) -> dict:
+           progress: bool = False, log=None) -> dict:
     """Write HF_DIR from a `k3jax convert` output, a training run or one of its
     checkpoints/N. Returns the index's total_size, shard and tensor counts, the source
     (`ModelSource.describe()`) and `casts` {'float32 -> BF16': n, ...}: every tensor whose
@@ -169,7 +169,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     kept = 0
 
     from tqdm import tqdm
-    tmp = hf_dir.parent / f".{hf_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    remove_stale_temps(hf_dir, log)
+    tmp = temp_sibling(hf_dir)
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:

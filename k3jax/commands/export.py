@@ -21,7 +21,7 @@ def run(args) -> int:
     from k3jax.checkpoint.export import export
 
     r = export(args.ckpt_dir, args.hf_dir, experts_bf16=args.experts_bf16,
-               max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress)
+               max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress, log=print)
     print(f"wrote {args.hf_dir} from {r['source']}: {r['tensors']:,d} tensors in {r['shards']} shards, "
           f"{r['total_size'] / 2**20:,.1f} MiB; routed experts {'bf16' if args.experts_bf16 else 'MXFP4'}")
     if r["kept_fp32"]:

@@ -72,10 +72,14 @@ def _encode(tok, k3, text: str, n_images: int) -> list[int]:
 def run(args) -> int:
     import numpy as np
 
+    from k3jax.commands import atomic_write, output_path
+    from k3jax.errors import InputError, check_token_ids
     from k3jax.infer.generate import generate
     from k3jax.infer.sampling import SamplingParams
+    from k3jax.vision.multimodal import load_npy
     from k3jax.tokenizer import ByteTokenizer
 
+    out_path = None if args.out is None else output_path(args.out)   # checked before the long part
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     mesh = shardings = None
     if args.mesh is not None:
@@ -96,18 +100,19 @@ def run(args) -> int:
             from k3jax.tokenizer import tokenizer_for
             tok = tokenizer_for(cfg, "tiktoken", args.tokenizer)
         elif cfg.vocab_size > 512:
-            raise ValueError(f"--prompt needs a tokenizer file: this model's vocabulary has {cfg.vocab_size:,d} ids "
+            raise InputError(f"--prompt needs a tokenizer file: this model's vocabulary has {cfg.vocab_size:,d} ids "
                              "and only byte-level vocabularies (<= 512 ids) are built in; pass the checkpoint's "
                              "--tokenizer tiktoken.model, or token ids made with it as --prompt-ids IDS.npy")
         else:
             tok = ByteTokenizer.for_config(cfg)
         prompts = np.array([_encode(tok, k3, args.prompt, len(args.image or ()))], np.int32)
     else:
-        prompts = np.load(args.prompt_ids)
+        prompts = load_npy(args.prompt_ids, "--prompt-ids")
         if prompts.ndim == 1:
             prompts = prompts[None]
-        if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
-            raise ValueError(f"{args.prompt_ids}: expected integer ids [T] or [B, T], got {prompts.dtype} {prompts.shape}")
+        if prompts.ndim != 2:
+            raise InputError(f"{args.prompt_ids}: expected integer ids [T] or [B, T], got {prompts.dtype} {prompts.shape}")
+        prompts = check_token_ids(prompts, cfg.vocab_size, args.prompt_ids)   # before any cast
 
     stream = None
     if tok is not None and args.out is None:
@@ -141,12 +146,9 @@ def run(args) -> int:
     if stream is not None:
         text = tok.decode(new_ids)
         sys.stdout.write((text[len(shown[0]):] if text.startswith(shown[0]) else "") + "\n")
-    if args.out:
-        import os
-        tmp = f"{args.out}.tmp"   # renamed when complete: never a half-written result
-        with open(tmp, "w") as f:
-            json.dump({"prompt_ids": prompts.tolist(), "generated_ids": out}, f)
-        os.replace(tmp, args.out)
+    if out_path:
+        atomic_write(out_path, lambda f: f.write(json.dumps({"prompt_ids": prompts.tolist(),
+                                                             "generated_ids": out}).encode()))
     elif tok is None:
         for row in out:
             print(" ".join(map(str, row)))

@@ -31,13 +31,14 @@ def _process_env() -> dict:
     """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID. jax reads only
     JAX_COORDINATOR_ADDRESS from the environment; these two complete a launch that no cluster
     manager describes (plain hosts, or several local processes as in the tests)."""
+    from k3jax.config import ConfigError
     out = {}
     for var, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
         if os.environ.get(var, "") != "":
             try:
                 out[key] = int(os.environ[var])
             except ValueError:
-                raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
+                raise ConfigError(f"{var}={os.environ[var]!r} is not an integer") from None
     return out
 
 

@@ -60,6 +60,7 @@ def run(args) -> int:
     from k3jax.checkpoint.load import resolve
     from k3jax.config import ConfigError
     from k3jax.layers.vision import check_grids, rows_per_image, vision_features
+    from k3jax.model import InputError
     from k3jax.vision.multimodal import images_from_files, load_npy
 
     cfg_path = os.path.join(args.dir, "config.json")
@@ -77,11 +78,11 @@ def run(args) -> int:
 
     if args.pixels:
         if not args.grids:
-            raise ValueError("--pixels needs --grids GRID_THWS.npy")
+            raise InputError("--pixels needs --grids GRID_THWS.npy")
         pixels, grids = load_npy(args.pixels, "--pixels"), load_npy(args.grids, "--grids")
     else:
         if args.grids:
-            raise ValueError("--grids goes with --pixels; --image computes the grids itself")
+            raise InputError("--grids goes with --pixels; --image computes the grids itself")
         pixels, grids = images_from_files(args.dir, vcfg, args.image)
         if args.grids_out:
             _atomic_save(args.grids_out, grids)
