@@ -288,3 +288,23 @@ def test_a_full_disk_stops_training_at_the_failed_checkpoint(run, tmp_path):
         assert max(metrics(d / "r")) < 12                         # it stopped
     finally:
         subprocess.run(["umount", str(d)])
+
+
+def test_a_streamed_run_resumes_exactly(run, tmp_path):
+    """data.loader: grain saves each checkpoint's stream position; resuming the step-2
+    checkpoint logs the uninterrupted run's losses (same compiled step as the fixture's)."""
+    import shutil
+    args = ["runtime.param_dtype=bfloat16", "data.loader=grain", "data.shuffle_window=8"]
+    first = train(run.config, f"output_dir={tmp_path}", "run_name=g", *args, cache=run.cache)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "streamed from 1 file(s)" in first.stdout
+    g = tmp_path / "g"
+    assert sorted(os.listdir(g / "data_state")) == sorted(os.listdir(g / "checkpoints")) == ["2", "4"]
+    shutil.copytree(g, tmp_path / "g2")
+    shutil.rmtree(tmp_path / "g2" / "checkpoints" / "4")
+    shutil.rmtree(tmp_path / "g2" / "data_state" / "4")
+    again = train(run.config, f"output_dir={tmp_path}", "run_name=g2", *args, cache=run.cache)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from step 2" in again.stdout
+    want, got = metrics(g), metrics(tmp_path / "g2")
+    assert got[4] == want[4] and got[3] is not None

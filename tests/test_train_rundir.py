@@ -178,3 +178,14 @@ def test_storage_errors_are_told_from_bugs():
     assert rundir.is_storage_error(e) and rundir.storage_reason(e) == "No space left on device"
     assert not rundir.is_storage_error(ValueError("shapes (3,) and (4,) do not match"))
     assert not rundir.is_storage_error(TypeError("No space left"))
+
+
+def test_data_states_follow_the_kept_checkpoints(tmp_path):
+    from k3jax.errors import RunDirError
+    for step in (2, 4, 6):
+        rundir.write_data_state(str(tmp_path), step, 0, {"next_step": step})
+    rundir.prune_data_state(str(tmp_path), {4, 6})
+    assert sorted(os.listdir(tmp_path / "data_state")) == ["4", "6"]
+    assert rundir.read_data_state(str(tmp_path), 6, 0) == {"next_step": 6}
+    with pytest.raises(RunDirError, match="process_1.json: missing"):
+        rundir.read_data_state(str(tmp_path), 6, 1)

@@ -11,6 +11,7 @@ A training run `{output_dir}/{run_name}` (k3jax.train.loop):
                    {step, params, opt_state}
     metrics.jsonl  one JSON object per logged step
     run.lock       while a `k3jax train` runs on it (k3jax.train.rundir.RunLock)
+    data_state/N   with data.loader: grain, each process's stream position at step N
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ RUN_CONFIG = "config.yaml"
 RUN_CHECKPOINTS = "checkpoints"
 RUN_METRICS = "metrics.jsonl"
 RUN_LOCK = "run.lock"
+RUN_DATA_STATE = "data_state"  # data_state/N/process_P.json: a streamed loader's state at step N
 STATE_ITEM = "default"        # the item a single `StandardSave` of the TrainState goes to
 PARAMS_KEY = ("params",)      # where the params sit inside that item
 

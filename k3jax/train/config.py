@@ -3,8 +3,12 @@
 Top level: steps, seed, output_dir, run_name, init_from, log_every, ckpt_every, keep (Orbax
 max_to_keep), async_checkpoint, peak_tflops (per device; null = measure a dense matmul at
 start), sample_prompt, sample_tokens.
-  data:      path (.txt / .jsonl / folder), text_key, tokenizer ('byte' | 'tiktoken'),
-             bpe_file, pattern, seq_len, batch_size, grad_accum
+  data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('byte' |
+             'tiktoken'), bpe_file, pattern, seq_len, batch_size, grad_accum,
+             loader ('memory': the corpus packed in host memory, batches a function of
+             (seed, step) | 'grain': streamed, each process reading its share, the stream's
+             state saved with each checkpoint: k3jax/train/stream.py), shuffle_window
+             (grain: documents shuffled within windows of this many)
   optimizer: lr (Muon), adam_lr (null = lr; Moonlight's RMS matching lets them share one),
              warmup_steps, schedule ('cosine' | 'constant'), min_lr_ratio, weight_decay,
              b1, b2, eps, grad_clip, muon_beta, ns_steps, muon_rms (0.2),
@@ -41,7 +45,8 @@ DEFAULTS = {
     "log_every": 10, "ckpt_every": 50, "keep": 3, "async_checkpoint": True, "peak_tflops": None,
     "sample_prompt": "The ", "sample_tokens": 48,
     "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "byte", "bpe_file": None,
-             "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1},
+             "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1,
+             "loader": "memory", "shuffle_window": 1024},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -173,7 +178,8 @@ SCHEMA = {
     "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0),
     "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
-             "batch_size": _int(1), "grad_accum": _int(1)},
+             "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
+             "shuffle_window": _int(0)},
     "optimizer": {"lr": _float(above=0), "adam_lr": _optional(_float(above=0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),
                   "b1": _float(0, below=1), "b2": _float(0, below=1), "eps": _float(above=0),

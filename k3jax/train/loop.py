@@ -2,7 +2,8 @@
 
 Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://bucket/runs
 (rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
-`keep` newest), `metrics.jsonl` (one object per logged step), `run.lock` while it runs.
+`keep` newest), `metrics.jsonl` (one object per logged step), `run.lock` while it runs,
+`data_state/N/` (a streamed loader's per-process position at checkpoint N).
 
 Guarding the directory: the config is validated as a whole before anything is read; a
 second run on a live directory is refused naming the holder (rundir.RunLock); resuming
@@ -15,7 +16,8 @@ Failure handling: SIGTERM (preemption) finishes the current step, saves, and ret
 non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
 checkpoint is the last good state (return code 3). `kill -9` loses at most the steps since
 the last checkpoint: a rerun resumes from it and, since batches depend only on (seed, step)
-and the step is deterministic, logs the same losses; metrics.jsonl lines past the resumed
+(or, streamed, on the position saved with the checkpoint) and the step is deterministic,
+logs the same losses; metrics.jsonl lines past the resumed
 step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, chec
 from k3jax.config import CONFIG_DIR, ConfigError, load_k3
 from k3jax.errors import RunDirError
 from k3jax.train import config as tconf, rundir
-from k3jax.train.data import PackedDataset, read_documents
+from k3jax.train.data import batch_spec, make_batches
 
 
 def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
@@ -239,16 +241,25 @@ def _io(what: str, fn, *args, **kwargs):
 
 
 def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
-    import orbax.checkpoint as ocp
-
     from k3jax.tokenizer import tokenizer_for
-    from k3jax.train import muon, step as tstep
 
     d = tc["data"]
     tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
-    ds = PackedDataset(read_documents(_data_path(d["path"]), d["text_key"]), tok, d["seq_len"], cfg.pad_token_id)
-    log(f"data: {ds.n_tokens:,d} tokens in {ds.n_rows} packed rows of {d['seq_len']}; "
-        f"{d['batch_size']}x{d['grad_accum']} rows per step")
+    batches = make_batches(d, _data_path(d["path"]), tc["seed"], tok, cfg.pad_token_id,
+                           jax.process_index(), jax.process_count())
+    log(f"data: {batches.describe()}")
+    try:
+        return _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok)
+    finally:
+        batches.close()
+
+
+def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) -> int:
+    import orbax.checkpoint as ocp
+
+    from k3jax.train import muon, step as tstep
+
+    d = tc["data"]
 
     t0 = time.perf_counter()
     params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
@@ -262,10 +273,14 @@ def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
 
         from k3jax import sharding
         rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
-        # every process computes the same global batch from (seed, step) and hands over
-        # only the slices its own devices hold
-        place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
-                                 for k, v in b.items()}
+        if batches.local:   # a streamed loader gives each process the rows of its own devices
+            spec = batch_spec(d)
+            place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows, v, spec[k][0])  # noqa: E731
+                                     for k, v in b.items()}
+        else:               # every process computes the same global batch from (seed, step) and
+            # hands over only the slices its own devices hold
+            place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
+                                     for k, v in b.items()}
         state, train_step = _sharded_state_and_step(mesh, params, tx, train_step, rows)
         del params
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
@@ -280,6 +295,8 @@ def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
     if latest is not None:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        if batches.state() is not None:
+            batches.restore(rundir.read_data_state(run_dir, latest, jax.process_index()))
         log(f"resumed from step {latest} ({run_dir}/checkpoints)")
     start = int(state.step)
     log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {run_dir}")
@@ -288,9 +305,8 @@ def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
         # compiled ahead of the loop: with the shardings pinned this is the one compile, and a
         # batch or state that did not match it would be an error rather than a recompile
         t = time.perf_counter()
-        batch0 = ds.batch(tc["seed"], start, d["batch_size"], d["grad_accum"])
-        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
-                                              for k, v in batch0.items()}).compile()
+        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+                                              for k, (shape, dtype) in batch_spec(d).items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
         _barrier("compiled")
 
@@ -312,8 +328,13 @@ def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
         if main and not written["config"]:
             _io(RUN_CONFIG, rundir.write_run_config, run_dir, k3, tc)
             written["config"] = True
+        data_state = batches.state()
+        if data_state is not None:   # before the checkpoint: a checkpoint never lacks it
+            _io("data state", rundir.write_data_state, run_dir, step, jax.process_index(), data_state)
         issued.append(step)
         _io("checkpoint", mgr.save, step, args=ocp.args.StandardSave(state))
+        if data_state is not None and main:
+            rundir.prune_data_state(run_dir, set(mgr.all_steps()) | {step})
 
     failure, handled = None, False
     quiet = rundir.OrbaxErrorLog()
@@ -321,7 +342,7 @@ def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
         with quiet, rundir.MetricsLog(f"{run_dir}/{RUN_METRICS}", keep_through=start, enabled=main, log=log) as mf:
             for s in range(start, tc["steps"]):
                 _io("checkpoint", mgr.check_for_errors)    # an async save that failed stops the run here
-                batch = place_batch(ds.batch(tc["seed"], s, d["batch_size"], d["grad_accum"]))
+                batch = place_batch(batches.batch(s))
                 state, m = train_step(state, batch)
                 loss, gnorm = float(m["loss"]), float(m["grad_norm"])
                 steps_since += 1

@@ -25,7 +25,7 @@ import time
 
 from etils import epath
 
-from k3jax.checkpoint.dirs import RUN_CONFIG, RUN_LOCK, is_url, pid_alive
+from k3jax.checkpoint.dirs import RUN_CONFIG, RUN_DATA_STATE, RUN_LOCK, is_url, pid_alive
 from k3jax.errors import RunDirError
 
 HEARTBEAT_S = 30.0
@@ -301,6 +301,40 @@ def check_resume(directory: str, k3, tc: dict, log=print) -> None:
                     f"steps=N (a fresh optimizer and schedule).")
         raise RunDirError(f"{directory}: its checkpoints were trained with a different config; refusing to "
                           f"resume: {'; '.join(conflicts)}. Pass another run_name= for a new run.{more}")
+
+
+# ---------------------------------------------------------------------------------------
+# A streamed loader's state, one file per process and checkpoint
+# ---------------------------------------------------------------------------------------
+def _data_state_path(directory: str, step: int, process: int) -> str:
+    return f"{str(directory).rstrip('/')}/{RUN_DATA_STATE}/{step}/process_{process}.json"
+
+
+def write_data_state(directory: str, step: int, process: int, state: dict) -> None:
+    """Written before the checkpoint of `step` is saved: a checkpoint never lacks it."""
+    path = _data_state_path(directory, step, process)
+    make_dirs(path.rsplit("/", 1)[0])
+    write_text(path, json.dumps(state))
+
+
+def read_data_state(directory: str, step: int, process: int) -> dict:
+    path = _data_state_path(directory, step, process)
+    p = epath.Path(path)
+    if not p.exists():
+        raise RunDirError(f"{path}: missing; checkpoint {step} cannot resume a streamed loader without its "
+                          "data state (saved with every checkpoint since data.loader: grain)")
+    return json.loads(p.read_text())
+
+
+def prune_data_state(directory: str, keep_steps) -> None:
+    """Drop the data states of checkpoints Orbax no longer keeps."""
+    root = epath.Path(f"{str(directory).rstrip('/')}/{RUN_DATA_STATE}")
+    if not root.exists():
+        return
+    keep = {int(s) for s in keep_steps}
+    for p in root.iterdir():
+        if p.name.isdigit() and int(p.name) not in keep:
+            p.rmtree(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------
