@@ -37,7 +37,7 @@ from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, chec
 from k3jax.config import CONFIG_DIR, ConfigError, load_k3
 from k3jax.errors import RunDirError
 from k3jax.train import config as tconf, rundir
-from k3jax.train.data import batch_spec, make_batches
+from k3jax.train.batches import batch_spec, make_batches
 
 
 def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
