@@ -156,6 +156,14 @@ def test_init_from_a_run_and_config_commands(run, capsys):
     assert cli.main(["params", run.config, "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == from_run
 
+    assert cli.main(["plan", str(run.dir), "--mesh", "data8", "--hbm-gib", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["params"] == from_run["total"]
+    assert cli.main(["forward", str(run.dir / "checkpoints" / "2"), "--batch", "1", "--seq", "8",
+                     "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    n = sum(x.size for x in jax.tree.leaves(saved_params(run.dir, 2)))   # count_params adds K3's A_log padding
+    assert f"loaded {run.dir / 'checkpoints' / '2'}: {n:,d} params" in out and "finite=True" in out
+
     # the main job's last lines say what to run next, on this run
     tail = "\n".join(run.log[-5:])
     for cmd in ("k3jax generate", "k3jax logits", "k3jax export", "init_from="):

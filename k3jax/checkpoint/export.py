@@ -148,7 +148,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
                          "output or a training run")
     if hf_dir.exists():
         raise FileExistsError(f"{hf_dir} already exists; refusing to overwrite it")
-    hf_config = src.k3.to_hf()
+    # a conversion's config.json as it came (key order, extras); a run's from its config.yaml
+    hf_config = json.loads((src.path / "config.json").read_text()) if src.kind == "orbax" else src.k3.to_hf()
     k3 = src.k3
     cfg, layout = k3.text, src.layout
     if not experts_bf16 and cfg.num_experts and not _has_quantization_config(hf_config):

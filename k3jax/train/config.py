@@ -180,7 +180,8 @@ SCHEMA = {
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
              "shuffle_window": _int(0)},
-    "optimizer": {"lr": _float(above=0), "adam_lr": _optional(_float(above=0)), "warmup_steps": _int(0),
+    # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
+    "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),
                   "b1": _float(0, below=1), "b2": _float(0, below=1), "eps": _float(above=0),
                   "grad_clip": _float(0), "muon_beta": _float(0, below=1), "ns_steps": _int(1),
@@ -279,7 +280,9 @@ def resume_conflicts(saved: dict, new: dict) -> list[str]:
     and after may change it). Each entry reads 'key: old -> new'."""
     out = []
     for key in sorted(set(saved.get("data", {})) | set(new["data"])):
-        a, b = saved.get("data", {}).get(key), new["data"].get(key)
+        # a key the saved run lacks was added since: that run had its default
+        a = saved.get("data", {}).get(key, DEFAULTS["data"].get(key))
+        b = new["data"].get(key)
         if a != b:
             out.append(f"train.data.{key}: {a!r} -> {b!r}")
     if saved.get("seed") != new["seed"]:

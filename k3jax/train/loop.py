@@ -221,6 +221,9 @@ def _preflight(cfg, tc) -> None:
     if tc["init_from"]:
         from k3jax.checkpoint.load import resolve
         resolve(tc["init_from"])
+    if tc["data"]["loader"] == "grain":
+        from k3jax.train.stream import require_grain
+        require_grain()       # the extra's message before the run directory is touched
 
 
 class _StorageFailure(Exception):

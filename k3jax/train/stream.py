@@ -150,14 +150,14 @@ def parse(raw: bytes, kind: str, text_key: str, where: str) -> str | None:
     return obj[text_key] or None
 
 
-def _grain():
+def require_grain():
     return require("grain", "stream", "data.loader: grain (streamed training data)")
 
 
 def document_stream(files, text_key: str, seed: int, process_index: int, process_count: int,
                     unit_bytes: int = UNIT_BYTES):
     """A grain IterDataset of {'text': str}: this process's documents, epoch after epoch."""
-    grain = _grain()
+    grain = require_grain()
     sizes = [int(epath.Path(f).stat().length) for f in files]
     mine = units(files, sizes, process_index, process_count, unit_bytes)
     if not mine:
@@ -241,7 +241,7 @@ class StreamedBatches:
 
     def __init__(self, d: dict, seed: int, tokenizer, process_index: int = 0, process_count: int = 1,
                  unit_bytes: int = UNIT_BYTES, path: str | None = None):
-        grain = _grain()
+        grain = require_grain()
         from grain import experimental as ge
         if d["batch_size"] % process_count:
             raise K3JaxError(f"config train.data.batch_size: {d['batch_size']} rows do not split over "
