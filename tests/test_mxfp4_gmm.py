@@ -15,6 +15,7 @@ import pytest
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_np
 from k3jax.ops.grouped_matmul import grouped_matmul
 from k3jax.ops.mxfp4_matmul import decode_halves, mxfp4_grouped_matmul
+from pallas_kernels.mxfp4_gmm import mxfp4_gmm
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -115,9 +116,9 @@ def test_equals_grouped_matmul_of_the_dequantized_weights():
                 assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@functools.partial(jax.jit, static_argnums=5)
-def vjp_ct(x, packed, scale, s, ct, transpose_rhs):
-    f = functools.partial(mxfp4_grouped_matmul, transpose_rhs=transpose_rhs)
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def vjp_ct(x, packed, scale, s, ct, transpose_rhs, impl="auto"):
+    f = functools.partial(mxfp4_grouped_matmul, transpose_rhs=transpose_rhs, impl=impl)
     return jax.vjp(f, x, packed, scale, s)[1](ct)
 
 
@@ -189,3 +190,97 @@ def test_bad_inputs_raise_clear_errors():
         mxfp4_grouped_matmul(x, packed, scale, s[:1])
     with pytest.raises(ValueError, match="unknown impl"):
         mxfp4_grouped_matmul(x, packed, scale, s, impl="triton")
+
+
+# ---------------------------------------------------------------------------------------
+# The Pallas kernels in interpret mode, both layouts (TPU: sequential visits with the
+# decoded tile cached; Triton: independent programs, masked chunks).
+
+fused = jax.jit(mxfp4_gmm, static_argnames=("transpose_rhs", "compute_dtype", "mode", "layout", "tm"))
+
+
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+@pytest.mark.parametrize("layout", ["tpu", "triton"])
+def test_pallas_matches_reference_and_pure_path(layout, transpose_rhs):
+    """16-row tiles, so groups straddle tiles and span several. On the Triton layout's
+    tiles (64 packed columns, 64 weight rows) N = 48 and K/2 = 48 are partial tiles."""
+    rng = np.random.default_rng(10 + transpose_rhs)
+    packed, scale = weights(rng, E, N, K)
+    x = rng.standard_normal((M, K if transpose_rhs else N)).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xd = jnp.asarray(x, dtype)
+        for sizes in SIZES:
+            s = np.array(sizes, np.int32)
+            got = fused(xd, packed, scale, s, transpose_rhs=transpose_rhs, mode="interpret",
+                        layout=layout, tm=16)
+            want = reference(np.asarray(xd, np.float32), packed, scale, s, transpose_rhs)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert_close(got, want, dtype)
+            assert not np.asarray(got[sum(sizes):]).any()
+            pure = np.asarray(gmm(xd, packed, scale, s, transpose_rhs=transpose_rhs), np.float64)
+            assert_close(got, pure, jnp.float32 if dtype == jnp.float32 else dtype)
+
+
+def test_pallas_tpu_layout_over_several_weight_tiles():
+    """The TPU layout's tiling where K3's shapes take it: x @ Wᵀ over 3 column tiles of 128
+    (the decoded tile is rebuilt for each), x @ W over 2 tiles of 256 packed columns with
+    k-tile-major scales."""
+    rng = np.random.default_rng(5)
+    n, k, sizes = 384, 1024, np.array([0, 30, 10], np.int32)
+    packed, scale = weights(rng, 3, n, k)
+    for transpose_rhs in (True, False):
+        x = rng.standard_normal((48, k if transpose_rhs else n)).astype(np.float32)
+        got = fused(x, packed, scale, sizes, transpose_rhs=transpose_rhs, mode="interpret", tm=16)
+        assert_close(got, reference(x, packed, scale, sizes, transpose_rhs), jnp.float32)
+        assert not np.asarray(got[40:]).any()
+
+
+def test_pallas_gradient_through_the_custom_vjp():
+    """impl="pallas" (interpret mode on CPU): dx is the other orientation's kernel."""
+    rng = np.random.default_rng(4)
+    packed, scale = weights(rng, E, N, K)
+    s = np.array(SIZES[0], np.int32)
+    w = dequantize_mxfp4(packed, scale, jnp.float32)
+    for transpose_rhs in (True, False):
+        x = jnp.asarray(rng.standard_normal((M, K if transpose_rhs else N)), jnp.float32)
+        ct = jnp.asarray(rng.standard_normal((M, N if transpose_rhs else K)), jnp.float32)
+        dx = vjp_ct(x, packed, scale, s, ct, transpose_rhs, "pallas")[0]
+        want = ref_grad(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, s, ct)
+        assert_close(dx, np.asarray(want, np.float64), jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# lowering for accelerators (as tests/test_kda_engine.py does for KDA)
+
+
+def _export(platform):
+    e, n, k, m = 4, 256, 512, 64
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    texts = []
+    for transpose_rhs in (True, False):
+        args = (jax.ShapeDtypeStruct((m, k if transpose_rhs else n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+                jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8), jax.ShapeDtypeStruct((e,), jnp.int32))
+
+        def loss(x, p, sc, g, transpose_rhs=transpose_rhs):
+            y = mxfp4_grouped_matmul(x, p, sc, g, transpose_rhs=transpose_rhs)  # impl="auto"
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        try:
+            exp = jax.export.export(jax.jit(jax.grad(loss)), platforms=[platform], disabled_checks=checks)(*args)
+        except (ImportError, NotImplementedError) as err:
+            pytest.skip(f"this jaxlib cannot lower Pallas for {platform}: {type(err).__name__}: {err}")
+        texts.append(exp.mlir_module())
+    return texts
+
+
+def test_pallas_lowers_for_tpu():
+    for text in _export("tpu"):  # forward and dx: both orientations' kernels
+        assert "tpu_custom_call" in text
+        assert "mxfp4_gmm_nt" in text and "mxfp4_gmm_nn" in text
+
+
+def test_pallas_lowers_for_cuda():
+    for text in _export("cuda"):
+        assert "__gpu$xla.gpu.triton" in text
+        assert "mxfp4_gmm_nt" in text and "mxfp4_gmm_nn" in text

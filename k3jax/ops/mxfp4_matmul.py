@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.grouped_matmul import tile_rows
+from pallas_kernels.mxfp4_gmm import mxfp4_gmm
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
 
-IMPLS = ("auto", "pure")
+IMPLS = ("auto", "pure", "pallas")
 GROUP = 32  # inputs per E8M0 scale
 _HI = jax.lax.Precision.HIGHEST
 # Dequantized bytes one block may hold on TPU/GPU in the pure path (the CPU path holds
@@ -126,17 +127,23 @@ def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl):
     E, N, half = packed.shape
     M = x.shape[0]
     pure = functools.partial(_pure, transpose_rhs=transpose_rhs, cdt=cdt)
+    fused = functools.partial(mxfp4_gmm, transpose_rhs=transpose_rhs, compute_dtype=cdt)
+    if impl == "pallas":
+        return fused(x, packed, scale, sizes)  # Mosaic, Triton or interpret mode per platform
     if block is not None:
         B = max(1, min(int(block), E))
-        L = window or _window(M, E, B)
-        return pure(x, packed, scale, sizes, B=B, L=L)
-    cpu_L = window or tile_rows(M, E)
-    B = max(1, min(E, _BLOCK_BYTES // (N * 2 * half * cdt.itemsize)))
-    acc_L = window or _window(M, E, B)
-    return jax.lax.platform_dependent(
-        x, packed, scale, sizes,
-        cpu=functools.partial(pure, B=1, L=cpu_L),
-        default=functools.partial(pure, B=B, L=acc_L))
+        blocked = functools.partial(pure, B=B, L=window or _window(M, E, B))
+        cpu = default = blocked
+    else:
+        cpu = functools.partial(pure, B=1, L=window or tile_rows(M, E))
+        B = max(1, min(E, _BLOCK_BYTES // (N * 2 * half * cdt.itemsize)))
+        default = functools.partial(pure, B=B, L=window or _window(M, E, B))
+    accel = {}
+    if impl == "auto":
+        accel = dict(tpu=functools.partial(fused, mode="tpu"),
+                     cuda=functools.partial(fused, mode="triton"),
+                     rocm=functools.partial(fused, mode="triton"))
+    return jax.lax.platform_dependent(x, packed, scale, sizes, cpu=cpu, default=default, **accel)
 
 
 def _window(m, n_experts, block):
