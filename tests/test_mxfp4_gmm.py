@@ -278,6 +278,12 @@ def test_pallas_lowers_for_tpu():
     for text in _export("tpu"):  # forward and dx: both orientations' kernels
         assert "tpu_custom_call" in text
         assert "mxfp4_gmm_nt" in text and "mxfp4_gmm_nn" in text
+    # Mosaic indexes in int32: the kernels keep their integers so under jax_enable_x64 too.
+    jax.config.update("jax_enable_x64", True)
+    try:
+        assert all("mxfp4_gmm_nn" in text for text in _export("tpu"))
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def test_pallas_lowers_for_cuda():

@@ -93,6 +93,18 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, transpose_rhs=True, compute_dtyp
                                       default=per("interpret"))
 
 
+def _triton_tiles(M, N, Kh, cdt, tm=None):
+    """Powers of two (Triton's rule), every dot dimension >= 16. x @ Wᵀ: 64-row tiles of
+    x and of W (the [64, 64] fp32 accumulator keeps sm_90 free of register spills; 128
+    weight rows spilled), 64 packed columns per contraction chunk; x @ W: 64 packed output
+    columns (32 in fp32, whose TF32x3 dots need more registers), 64 weight rows a chunk.
+    Measured by benchmarks/mxfp4_gmm_triton_compile.py."""
+    tm = tm or _pow2(M, 16, 64)
+    wide = 64 if cdt == jnp.bfloat16 else 32
+    return dict(tm=tm, tn=_pow2(N, 16, 64), tkh_nt=_pow2(Kh, 16, 64), tkh_nn=_pow2(Kh, 16, wide),
+                tnc=_pow2(N, 16, 64))
+
+
 def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode):
     E, N, Kh = packed.shape
     M = x.shape[0]
@@ -104,25 +116,24 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode)
         tm, tn, tkh = _tpu_tiles(M, N, Kh, tm)
         vmem = _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs)
     else:
-        tm = tm or _pow2(M, 16, 64)
+        tiles = _triton_tiles(M, N, Kh, cdt, tm)
+        tm = tiles["tm"]
     M_pad = -(-M // tm) * tm
     xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
     vis = groups.visits(group_sizes, M_pad, tm)
+    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul)
     if transpose_rhs:
         x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]
         if layout == "tpu":
-            y = tpu.gmm_nt(vis, x_lo, x_hi, packed, scale, tm=tm, tn=tn, out_dtype=x.dtype,
-                           mode=mode, matmul=matmul, vmem_bytes=vmem)
+            y = tpu.gmm_nt(vis, x_lo, x_hi, packed, scale, tn=tn, vmem_bytes=vmem, **common)
         else:
-            y = triton.gmm_nt(vis, x_lo, x_hi, packed, scale, tm=tm, tn=_pow2(N, 16, 64),
-                              tkh=_pow2(Kh, 16, 64), out_dtype=x.dtype, mode=mode, matmul=matmul)
+            y = triton.gmm_nt(vis, x_lo, x_hi, packed, scale, tn=tiles["tn"], tkh=tiles["tkh_nt"],
+                              **common)
         return y[:M]
     if layout == "tpu":
         # k-tile-major scales, [E, K/2/tkh, N, tkh/16]: 1/16 of the packed bytes, moved once.
         scale_t = jnp.swapaxes(scale.reshape(E, N, Kh // tkh, tkh // tpu.SCALE_LANES), 1, 2)
-        lo, hi = tpu.gmm_nn(vis, xp, packed, scale_t, tm=tm, tkh=tkh, out_dtype=x.dtype,
-                            mode=mode, matmul=matmul, vmem_bytes=vmem)
+        lo, hi = tpu.gmm_nn(vis, xp, packed, scale_t, tkh=tkh, vmem_bytes=vmem, **common)
     else:
-        lo, hi = triton.gmm_nn(vis, xp, packed, scale, tm=tm, tkh=_pow2(Kh, 16, 64),
-                               tnc=_pow2(N, 16, 64), out_dtype=x.dtype, mode=mode, matmul=matmul)
+        lo, hi = triton.gmm_nn(vis, xp, packed, scale, tkh=tiles["tkh_nn"], tnc=tiles["tnc"], **common)
     return jnp.stack([lo[:M], hi[:M]], axis=-1).reshape(M, 2 * Kh)

@@ -44,14 +44,15 @@ def decode_tile(p_ref, s_ref, wlo_ref, whi_ref, rc):
     R, C = p_ref.shape
 
     def chunk(r, carry):
-        r0 = pl.multiple_of(r * rc, rc)
+        r0 = pl.multiple_of(r * jnp.int32(rc), rc)
         lo, hi = nibbles(p_ref[pl.ds(r0, rc), :])
         s = _expand(s_ref[pl.ds(r0, rc), :].astype(jnp.int32), rc, C // SCALE_LANES)
         wlo_ref[pl.ds(r0, rc), :] = e2m1_e8m0(lo, s, wlo_ref.dtype)
         whi_ref[pl.ds(r0, rc), :] = e2m1_e8m0(hi, s, whi_ref.dtype)
         return carry
 
-    jax.lax.fori_loop(0, R // rc, chunk, 0)
+    # int32 bounds and offsets: Mosaic indexes in i32, also under jax_enable_x64.
+    jax.lax.fori_loop(jnp.int32(0), jnp.int32(R // rc), chunk, 0)
 
 
 def _visit_state(group_ref, tile_ref, bounds_ref, tm):
@@ -62,7 +63,7 @@ def _visit_state(group_ref, tile_ref, bounds_ref, tm):
     g = group_ref[i]
     new_weight = (i == 0) | (group_ref[prev] != g)
     first = (i == 0) | (tile_ref[prev] != tile_ref[i])
-    rows = tile_ref[i] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    rows = tile_ref[i] * jnp.int32(tm) + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
     inside = (rows >= bounds_ref[g]) & (rows < bounds_ref[g + 1])
     return g, new_weight, first, inside
 
