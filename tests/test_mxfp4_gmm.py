@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_np
 from k3jax.ops.grouped_matmul import grouped_matmul
@@ -175,6 +176,32 @@ def test_pure_path_never_holds_every_expert_dequantized():
                 assert temp < all_experts / 4, (temp, all_experts)
 
 
+def test_pure_path_under_shard_map_with_its_type_check():
+    """The MoE runs the matmul inside shard_map (check_vma on): each device its own rows,
+    W's output rows split over `tensor`; dx then sums over the tensor shards."""
+    rng = np.random.default_rng(6)
+    packed, scale = weights(rng, E, 64, K)
+    x = rng.standard_normal((2, M, K)).astype(np.float32)
+    sizes = np.array([SIZES[0], SIZES[1]], np.int32)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    f = jax.shard_map(_local, mesh=mesh, **MESH_SPECS)
+    put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    args = [put(a, spec) for a, spec in zip((x, packed, scale, sizes), MESH_SPECS["in_specs"])]
+    def loss(x, *w):
+        y = f(x, *w)
+        return jnp.sum(y**2), y
+
+    (_, y), dx = jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)
+    w = dequantize_mxfp4_np(packed, scale, np.float32).astype(np.float64)
+    for b in range(2):
+        want = reference(x[b], packed, scale, sizes[b], True)
+        assert_close(np.asarray(y)[b], want, jnp.float32)
+        want_dx = np.zeros_like(want, shape=x[b].shape)  # d/dx of Σ y² = 2 y W_g per row
+        for r, e in enumerate(np.repeat(np.arange(E), sizes[b])):
+            want_dx[r] = 2 * want[r] @ w[e]
+        assert_close(np.asarray(dx)[b], want_dx, jnp.float32)
+
+
 def test_bad_inputs_raise_clear_errors():
     rng = np.random.default_rng(0)
     packed, scale = weights(rng, 2, 8, 64)
@@ -253,25 +280,38 @@ def test_pallas_gradient_through_the_custom_vjp():
 # lowering for accelerators (as tests/test_kda_engine.py does for KDA)
 
 
+MESH_SPECS = dict(in_specs=(P("data"), P(None, "tensor", None), P(None, "tensor", None), P("data")),
+                  out_specs=P("data", None, "tensor"))
+
+
+def _local(x, packed, scale, sizes, **kw):
+    """One device's rows (its block of a [2, m, ·] batch) times its slice of W's output rows,
+    as the MoE dispatch's shard_map runs it (w1 split over `tensor`)."""
+    return mxfp4_grouped_matmul(x[0], packed, scale, sizes[0], **kw)[None]
+
+
 def _export(platform):
-    e, n, k, m = 4, 256, 512, 64
+    """forward and dx, as the MoE's shard_map runs them (its vma check on): pallas_calls
+    typed by the manual axes their inputs vary over."""
+    e, n, k, m = 4, 512, 256, 64
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    texts = []
-    for transpose_rhs in (True, False):
-        args = (jax.ShapeDtypeStruct((m, k if transpose_rhs else n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
-                jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8), jax.ShapeDtypeStruct((e,), jnp.int32))
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    sh = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))  # noqa: E731
+    args = (jax.ShapeDtypeStruct((2, m, k), jnp.bfloat16, sharding=sh("data")),
+            jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8, sharding=sh(None, "tensor", None)),
+            jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8, sharding=sh(None, "tensor", None)),
+            jax.ShapeDtypeStruct((2, e), jnp.int32, sharding=sh("data")))
+    f = jax.shard_map(_local, **MESH_SPECS)  # impl="auto": the kernels on TPU and GPU
 
-        def loss(x, p, sc, g, transpose_rhs=transpose_rhs):
-            y = mxfp4_grouped_matmul(x, p, sc, g, transpose_rhs=transpose_rhs)  # impl="auto"
-            return jnp.sum(y.astype(jnp.float32) ** 2)
+    def loss(*a):
+        return jnp.sum(f(*a).astype(jnp.float32) ** 2)
 
+    with jax.set_mesh(mesh):
         try:
             exp = jax.export.export(jax.jit(jax.grad(loss)), platforms=[platform], disabled_checks=checks)(*args)
         except (ImportError, NotImplementedError) as err:
             pytest.skip(f"this jaxlib cannot lower Pallas for {platform}: {type(err).__name__}: {err}")
-        texts.append(exp.mlir_module())
-    return texts
+    return [exp.mlir_module()]
 
 
 def test_pallas_lowers_for_tpu():

@@ -21,6 +21,11 @@ grouped_matmul's row tiles, with the expert decoded once for all its tiles; else
 blocks of several experts feed `ragged_dot` with the window's own group sizes.
 `impl="pallas"` is the fused kernel (pallas_kernels.mxfp4_gmm): Mosaic on TPU, Triton on
 GPU, interpret mode on CPU; `impl="auto"` picks it on TPU/GPU and the pure path on CPU.
+
+Inside `shard_map` (the MoE dispatch's, type check on) every impl but interpret-mode
+Pallas runs as is: weights split over `tensor` along N (w1/w3) or K (w2) give each shard
+its slice of the output or a partial sum, and dx is summed over the axes x is replicated
+on by autodiff.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import numpy as np
 from k3jax.ops.grouped_matmul import tile_rows
 from pallas_kernels.mxfp4_gmm import mxfp4_gmm
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
+from pallas_kernels.mxfp4_gmm.manual import vary_together
 
 IMPLS = ("auto", "pure", "pallas")
 GROUP = 32  # inputs per E8M0 scale
@@ -94,8 +100,14 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
         raise ValueError(f"mxfp4_grouped_matmul: unknown impl {impl!r}; expected one of {IMPLS}")
     packed, scale = _check(x, packed, scale, group_sizes, transpose_rhs)
     cdt = jnp.dtype(compute_dtype or x.dtype)
+    if x.shape[0] == 0:  # no rows (a device that received none): nothing to tile
+        return jnp.zeros((0, packed.shape[1] if transpose_rhs else 2 * packed.shape[2]), x.dtype)
     opts = (bool(transpose_rhs), cdt, block_experts, window_rows, impl)
-    return _gmm(opts, x, packed, scale, jnp.asarray(group_sizes, jnp.int32))
+    # Inside shard_map every input is cast to vary over the axes any of them does, outside
+    # the custom_vjp: so x's cotangent may vary where the weights do (w1 split over
+    # `tensor`), and autodiff sums it over the axes x itself was replicated on.
+    args, _ = vary_together(x, packed, scale, jnp.asarray(group_sizes, jnp.int32))
+    return _gmm(opts, *args)
 
 
 # -- the differentiable op ----------------------------------------------------------------
@@ -177,7 +189,9 @@ def _pure(x, packed, scale, sizes, *, transpose_rhs, cdt, B, L):
     # x @ Wᵀ = x[:, 0::2] @ W_loᵀ + x[:, 1::2] @ W_hiᵀ; x @ W = (x @ W_lo, x @ W_hi) interleaved.
     xs = (pad(x[:, 0::2]), pad(x[:, 1::2])) if transpose_rhs else (pad(x),)
     n_out = 1 if transpose_rhs else 2
-    outs = tuple(jnp.zeros((M + L, d_out), x.dtype) for _ in range(n_out))
+    # Under shard_map's type check the loop carry must vary where its updates do (the
+    # inputs all vary alike: see mxfp4_grouped_matmul).
+    outs = tuple(vary_together(jnp.zeros((M + L, d_out), x.dtype), x)[0][0] for _ in range(n_out))
     rows = jnp.arange(L)
 
     def product(xw, w, n_rows):

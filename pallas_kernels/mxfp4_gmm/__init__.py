@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mxfp4_gmm import groups, tpu, triton
+from pallas_kernels.mxfp4_gmm.manual import vary_together
 
 MODES = ("auto", "interpret", "tpu", "triton")
 LAYOUTS = ("tpu", "triton")
@@ -119,9 +120,10 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode)
         tiles = _triton_tiles(M, N, Kh, cdt, tm)
         tm = tiles["tm"]
     M_pad = -(-M // tm) * tm
+    (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
     xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
     vis = groups.visits(group_sizes, M_pad, tm)
-    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul)
+    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes)
     if transpose_rhs:
         x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]
         if layout == "tpu":

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
+from pallas_kernels.mxfp4_gmm.manual import out_struct
 
 SCALE_LANES = 16  # packed bytes per E8M0 scale (32 values)
 # The decoded tile is cached in bf16 whatever the compute dtype: every MXFP4 value has at
@@ -123,7 +124,7 @@ def _row_chunk(rows):
     return 32 if rows % 32 == 0 else rows  # u8 refs tile 32 rows to a vreg
 
 
-def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, vmem_bytes):
+def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, vmem_bytes, axes):
     """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2] (compute dtype)."""
     E, N, Kh = packed.shape
     Ks = scale.shape[-1]
@@ -140,11 +141,11 @@ def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, v
     )
     kernel = functools.partial(_nt_kernel, n_real=E, tm=tm, rc=_row_chunk(tn), matmul=matmul)
     return pl.pallas_call(kernel, grid_spec=spec, name="mxfp4_gmm_nt",
-                          out_shape=jax.ShapeDtypeStruct((M_pad, N), out_dtype),
+                          out_shape=out_struct((M_pad, N), out_dtype, axes),
                           **_params(mode, vmem_bytes))(*vis, x_lo, x_hi, packed, scale)
 
 
-def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_bytes):
+def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_bytes, axes):
     """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns; scale_t is
     [E, K/2/tkh, N, tkh/16]."""
     E, N, Kh = packed.shape
@@ -160,6 +161,6 @@ def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_by
         scratch_shapes=[pltpu.VMEM((N, tkh), CACHE_DTYPE), pltpu.VMEM((N, tkh), CACHE_DTYPE)],
     )
     kernel = functools.partial(_nn_kernel, n_real=E, tm=tm, rc=_row_chunk(N), matmul=matmul)
-    shape = jax.ShapeDtypeStruct((M_pad, Kh), out_dtype)
+    shape = out_struct((M_pad, Kh), out_dtype, axes)
     return pl.pallas_call(kernel, grid_spec=spec, name="mxfp4_gmm_nn", out_shape=[shape, shape],
                           **_params(mode, vmem_bytes))(*vis, x, packed, scale_t)

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
+from pallas_kernels.mxfp4_gmm.manual import out_struct
 from pallas_kernels.mxfp4_gmm.tpu import SCALE_LANES, _expand
 
 
@@ -107,7 +108,7 @@ def _params(mode, num_warps):
     return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1))
 
 
-def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, num_warps=4):
+def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, axes, num_warps=4):
     """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2]."""
     E, N, Kh = packed.shape
     args = (*vis, x_lo, x_hi, packed, scale)
@@ -115,16 +116,16 @@ def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matm
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(N, tn), vis.group.shape[0]), in_specs=[_whole(a) for a in args],
         out_specs=pl.BlockSpec((x_lo.shape[0], N), lambda j, i: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((x_lo.shape[0], N), out_dtype), name="mxfp4_gmm_nt",
+        out_shape=out_struct((x_lo.shape[0], N), out_dtype, axes), name="mxfp4_gmm_nt",
         **_params(mode, num_warps))(*args)
 
 
-def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, num_warps=4):
+def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes, num_warps=4):
     """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns."""
     E, N, Kh = packed.shape
     args = (*vis, x, packed, scale)
     kernel = functools.partial(_nn_kernel, n_real=E, tm=tm, tkh=tkh, tnc=tnc, matmul=matmul)
-    shape = jax.ShapeDtypeStruct((x.shape[0], Kh), out_dtype)
+    shape = out_struct((x.shape[0], Kh), out_dtype, axes)
     whole_out = pl.BlockSpec(shape.shape, lambda j, i: (0, 0))
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(Kh, tkh), vis.group.shape[0]), in_specs=[_whole(a) for a in args],
