@@ -1,5 +1,6 @@
-"""The GPU layout (Triton; also run in interpret mode): one program per (weight-column
-tile, visit), every program independent.
+"""The GPU layout (Triton; also run in interpret mode): one program per (visit,
+weight-column tile), every program independent. Visits are the grid's first axis, the one
+CUDA allows 2**31 - 1 blocks on (the others 65535).
 
 Triton programs run concurrently and keep nothing between them, so there is no decode
 cache and no output tile carried from visit to visit: each program loops over the
@@ -44,7 +45,7 @@ def _load_weights(p_ref, s_ref, w, r0, rows, c0, cols, cdt):
 
 
 def _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm):
-    i = pl.program_id(1)
+    i = pl.program_id(0)
     g, t, w = group_ref[i], tile_ref[i], weight_ref[i]
     rows = t * tm + _iota(tm)
     inside = (rows >= bounds_ref[g]) & (rows < bounds_ref[g + 1])
@@ -55,7 +56,7 @@ def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_
                o_ref, *, n_real, tm, tn, tkh, matmul):
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     Kh = p_ref.shape[2]
-    n0 = pl.program_id(0) * tn
+    n0 = pl.program_id(1) * tn
     cdt = xlo_ref.dtype
 
     def chunk(c, acc):
@@ -79,7 +80,7 @@ def _nn_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, p_ref, s_ref,
                olo_ref, ohi_ref, *, n_real, tm, tkh, tnc, matmul):
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     N, Kh = p_ref.shape[1:]
-    k0 = pl.program_id(0) * tkh
+    k0 = pl.program_id(1) * tkh
     cdt = x_ref.dtype
 
     def chunk(c, acc):
@@ -114,7 +115,7 @@ def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matm
     args = (*vis, x_lo, x_hi, packed, scale)
     kernel = functools.partial(_nt_kernel, n_real=E, tm=tm, tn=tn, tkh=tkh, matmul=matmul)
     return pl.pallas_call(
-        kernel, grid=(pl.cdiv(N, tn), vis.group.shape[0]), in_specs=[_whole(a) for a in args],
+        kernel, grid=(vis.group.shape[0], pl.cdiv(N, tn)), in_specs=[_whole(a) for a in args],
         out_specs=pl.BlockSpec((x_lo.shape[0], N), lambda j, i: (0, 0)),
         out_shape=out_struct((x_lo.shape[0], N), out_dtype, axes), name="mxfp4_gmm_nt",
         **_params(mode, num_warps))(*args)
@@ -128,6 +129,6 @@ def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes
     shape = out_struct((x.shape[0], Kh), out_dtype, axes)
     whole_out = pl.BlockSpec(shape.shape, lambda j, i: (0, 0))
     return pl.pallas_call(
-        kernel, grid=(pl.cdiv(Kh, tkh), vis.group.shape[0]), in_specs=[_whole(a) for a in args],
+        kernel, grid=(vis.group.shape[0], pl.cdiv(Kh, tkh)), in_specs=[_whole(a) for a in args],
         out_specs=[whole_out, whole_out], out_shape=[shape, shape], name="mxfp4_gmm_nn",
         **_params(mode, num_warps))(*args)
