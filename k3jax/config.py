@@ -65,6 +65,48 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
 
 KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
 MOE_DISPATCHES = ("dense", "ragged", "ep")
+EXPERT_FORMATS = ("bf16", "mxfp4")
+LORA_EXPERT_MODES = ("per_expert", "shared_a")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Which projections carry low-rank adapters and their size (resolved from the train
+    config's `lora:` section by `k3jax.train.lora`; never part of config.json).
+
+    `targets` are module paths inside a decoder layer ('self_attn/q_proj',
+    'block_sparse_moe/w1', 'block_sparse_moe/shared_experts/up_proj', ...): scanned layers
+    share one structure, so a target holds for every layer of a kind. A dense target adds
+    W + (alpha/rank)·A·B; a routed-expert target (w1/w2/w3) adds per expert
+    (alpha/expert_rank)·A_e·B_e, with one A for all experts under 'shared_a'.
+    """
+    rank: int
+    alpha: float
+    targets: frozenset = frozenset()
+    expert_rank: int | None = None          # None: `rank`
+    expert_mode: str = "per_expert"         # 'per_expert' | 'shared_a'
+
+    def __post_init__(self):
+        _check(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
+               "lora.rank", self.rank, "must be a positive integer (0 turns LoRA off)")
+        _check(self.alpha > 0, "lora.alpha", self.alpha, "must be positive")
+        er = self.expert_rank
+        _check(er is None or (isinstance(er, int) and not isinstance(er, bool) and er > 0),
+               "lora.expert_rank", er, "must be a positive integer or null (= rank)")
+        _check(self.expert_mode in LORA_EXPERT_MODES, "lora.expert_mode", self.expert_mode,
+               f"expected one of {LORA_EXPERT_MODES}")
+
+    def rank_of(self, target: str) -> int:
+        return (self.expert_rank or self.rank) if is_expert_target(target) else self.rank
+
+    def scale_of(self, target: str) -> float:
+        return self.alpha / self.rank_of(target)
+
+
+def is_expert_target(target: str) -> bool:
+    """A LoRA target (or param path) naming the stacked routed experts w1/w2/w3."""
+    parts = target.split("/")
+    return len(parts) >= 2 and parts[-2] == "block_sparse_moe" and parts[-1] in ("w1", "w2", "w3")
 
 
 @dataclass(frozen=True)
@@ -78,16 +120,34 @@ class RuntimeOptions:
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
+    # 'ep' receive buffers above this many MiB per device run the tokens in chunks
+    # (layers/moe.py ep_chunks); 0 = one exchange however large
+    ep_buffer_mib: float = 1024.0
+    # MLA over whole sequences runs its queries in blocks of this many tokens (0 = all at
+    # once): the fp32 scores alive at once are [heads, block, T], not [heads, T, T]
+    attention_q_block: int = 1024
     scan_layers: bool = True          # nn.scan over the repeated layer groups
     remat: str = "none"               # 'none' | 'full' | 'dots'
+    # routed experts held widened to param_dtype ('bf16') or as the checkpoint's own MXFP4
+    # bytes ('mxfp4': E2M1 codes + E8M0 scales, dequantized tile by tile inside the matmul;
+    # frozen, as integers have no gradient)
+    expert_format: str = "bf16"
+    lora: LoraSpec | None = None      # low-rank adapters (k3jax.train.lora); None = off
 
     def __post_init__(self):
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
         _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
                f"expected one of {MOE_DISPATCHES}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
+        _check(isinstance(self.attention_q_block, int) and self.attention_q_block >= 0, "attention_q_block",
+               self.attention_q_block, "must be a non-negative integer")
         _check(self.ep_capacity_factor >= 0, "ep_capacity_factor", self.ep_capacity_factor, "must be >= 0")
+        _check(self.ep_buffer_mib >= 0, "ep_buffer_mib", self.ep_buffer_mib, "must be >= 0")
         _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
+        _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
+               f"expected one of {EXPERT_FORMATS}")
+        _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
+               "expected a LoraSpec (resolve a train config's lora: section with k3jax.train.lora)")
         for key in ("dtype", "param_dtype"):
             _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))
 

@@ -40,8 +40,13 @@ def load_config(path, runtime: dict | None = None) -> K3Config:
     return k3
 
 
-def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision: bool = False):
+def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision: bool = False,
+                   expert_format: str | None = None):
     """(K3Config, params) from an HF safetensors directory or a `k3jax convert` output.
+
+    `expert_format` ('bf16' | 'mxfp4'; shorthand for runtime={'expert_format': ...}):
+    'mxfp4' keeps the routed experts as MXFP4 bytes (uint8 packed codes and E8M0 scales,
+    17/32 byte per value), read as stored from MXFP4 files and quantized from widened ones.
 
     `runtime`: RuntimeOptions overrides (e.g. {'param_dtype': 'bfloat16'}); every leaf is
     cast to the dtype the model uses for it under those options. Orbax checkpoints restore
@@ -55,6 +60,8 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     checkpoint holds no vision weights, params are the text tree alone.
     """
     path = local_path(path, "checkpoint")
+    if expert_format is not None:
+        runtime = {**(runtime or {}), "expert_format": expert_format}
     k3 = load_config(path, runtime)
     if is_orbax_dir(path):
         from k3jax.checkpoint.convert import FORMAT, MANIFEST
@@ -64,7 +71,13 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"{path / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
         text_shardings = None if shardings is None else shardings(k3.text)
-        params = restore_params(path, k3.text, text_shardings)
+        stored = manifest.get("expert_format", "bf16")
+        if stored == k3.text.runtime.expert_format:
+            params = restore_params(path, k3.text, text_shardings)
+        else:   # restored as converted, then widened or quantized onto the asked format
+            as_stored = k3.text.with_runtime(expert_format=stored)
+            params = restore_params(path, as_stored, None if shardings is None else shardings(as_stored))
+            params = convert_experts(params, k3.text.runtime.expert_format, text_shardings)
         if vision and k3.vision is not None and (path / "vision" / "_METADATA").exists():
             from k3jax.checkpoint.orbax_io import restore_tree
             abstract = _vision_abstract(k3)
@@ -94,6 +107,34 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
             tree = jax.tree.map(jax.device_put, tree, _replicated(abstract, text_shardings))
         params["vision"] = tree
     return k3, params
+
+
+def convert_experts(params, expert_format: str, shardings=None):
+    """Every routed-expert stack of `params` turned into `expert_format`: MXFP4 pairs
+    widened ('bf16', to the dtype of the tree's other matrices) or widened stacks quantized
+    ('mxfp4', compressed-tensors' rule; a stack that came from MXFP4 gets its bytes back,
+    up to the scale byte of all-zero groups, which no value records)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.ops.mxfp4 import MXFP4, dequantize_experts, quantize_mxfp4_jax
+
+    def walk(node, dtype):
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k in ("w1", "w2", "w3") and expert_format == "bf16" and isinstance(v, dict):
+                out[k] = dequantize_experts(MXFP4(v["weight_packed"], v["weight_scale"]), dtype)
+            elif k in ("w1", "w2", "w3") and expert_format == "mxfp4" and not isinstance(v, dict):
+                packed, scale = quantize_mxfp4_jax(jnp.swapaxes(v, -1, -2))
+                out[k] = {"weight_packed": packed, "weight_scale": scale}
+            else:
+                out[k] = walk(v, dtype)
+        return out
+
+    dtype = params["embed_tokens"]["embedding"].dtype
+    return jax.jit(lambda p: walk(p, dtype), out_shardings=shardings)(params)
 
 
 def _vision_abstract(k3: K3Config):

@@ -36,17 +36,20 @@ def register(sub):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="params and compute dtype (default: the checkpoint's)")
     p.add_argument("--image", nargs="+", metavar="FILE", help="image files the prompt refers to, in order")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are sharded over it, "
                         "with 'ep' expert dispatch where its expert axis is > 1")
     p.set_defaults(fn=run)
 
 
-def load(model_dir, dtype=None, shardings=None, vision=False):
+def load(model_dir, dtype=None, shardings=None, vision=False, expert_format=None):
     """(K3Config, params) of an HF directory or k3jax checkpoint; see `load_model_dir`."""
     from k3jax.checkpoint.load import load_model_dir
     runtime = {"param_dtype": dtype, "dtype": dtype} if dtype else None
-    return load_model_dir(model_dir, runtime, shardings, vision=vision)
+    return load_model_dir(model_dir, runtime, shardings, vision=vision, expert_format=expert_format)
 
 
 def _encode(tok, k3, text: str, n_images: int) -> list[int]:
@@ -80,7 +83,8 @@ def run(args) -> int:
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
         shardings = lambda c: sharding.param_shardings(c, mesh, rules)  # noqa: E731
-    k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image))
+    k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image),
+                      expert_format=args.expert_format)
     cfg = k3.text
     if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")

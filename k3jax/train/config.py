@@ -14,7 +14,11 @@ start), sample_prompt, sample_tokens.
              exact_max_elements (auto picks exact while tokens·experts is at most this)
   runtime:   dtype, param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, moe_dispatch,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
-             pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`)
+             pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
+             expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
+  lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
+             targets (globs; null = k3jax.train.lora.DEFAULT_TARGETS), optimizer ('adamw' |
+             'muon'), lr (see k3jax/train/lora.py)
 
 Overrides: `steps=200`, `optimizer.lr=1e-3`, `data.path=my.jsonl`; values parse as YAML.
 Unknown keys are errors that name the key.
@@ -40,7 +44,10 @@ DEFAULTS = {
     "balance": {"enabled": True, "method": "auto", "bins": 1000, "sweeps": 6,
                 "exact_max_elements": 1 << 22},
     "runtime": {"dtype": "float32", "param_dtype": "float32", "remat": "none",
-                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0},
+                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0,
+                "expert_format": "bf16"},
+    "lora": {"rank": 0, "alpha": None, "expert_rank": None, "expert_mode": "per_expert",
+             "targets": None, "optimizer": "adamw", "lr": None},
 }
 
 

@@ -40,17 +40,30 @@ def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
-def flops_per_token(params, k_over_e: float) -> float:
-    """6·(activated params) per token for forward+backward: every weight except the
-    embedding lookup, routed experts at k/E. Attention-score FLOPs are left out, so MFU here
-    is a slight under-estimate."""
+def flops_per_token(params, k_over_e: float, groups=None, top_k: int = 1) -> float:
+    """Model FLOPs per token for forward+backward: 2 per weight value forward, 2 more for
+    the input gradient and, for trained weights, 2 for their own gradient (6 for a fully
+    trained model; 4 for a frozen base under LoRA). Every weight except the embedding
+    lookup counts, routed experts (and their per-expert adapters) at k/E, a shared expert A
+    ('shared_a') k times; MXFP4 experts by
+    their values (two per packed byte, scales not counted). Attention-score FLOPs are left
+    out, so MFU here is a slight under-estimate."""
+    from k3jax.layout import is_scanned
+    from k3jax.train.muon import TRAINED, path_str
+    group_of = {} if groups is None else {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
     total = 0.0
     for p, x in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(k, "key", k)) for k in p]
-        if keys[0] == "embed_tokens":
+        if keys[0] == "embed_tokens" or keys[-1] == "weight_scale":
             continue
-        total += x.size * (k_over_e if keys[-1] in ("w1", "w2", "w3") else 1.0)
-    return 6.0 * total
+        values = x.size * (2 if keys[-1] == "weight_packed" else 1)
+        expert = "block_sparse_moe" in keys and any(k in ("w1", "w2", "w3") for k in keys[-2:])
+        # a shared A ('shared_a') has no expert axis: each of a token's k pairs goes through it
+        shared_a = expert and keys[-1] == "lora_a" and x.ndim == 2 + is_scanned(keys[1:])
+        trained = groups is None or group_of.get(path_str(p)) in TRAINED
+        scale = top_k if shared_a else k_over_e if expert else 1.0
+        total += values * scale * (6.0 if trained else 4.0)
+    return total
 
 
 class _Progress:
@@ -81,6 +94,10 @@ def _initial_params(cfg, tc, key, mesh=None):
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], shardings=shardings)
         if k3.text.replace(runtime=cfg.runtime) != cfg:
             raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
+        if cfg.runtime.lora is not None:   # fresh adapters on the loaded base
+            from k3jax.model import LORA_KEY, init_params
+            out = None if mesh is None else shardings(cfg)[LORA_KEY]
+            params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
         return params
     if mesh is not None:
         return sharding.init_params_sharded(cfg, key, *mesh)
@@ -88,7 +105,7 @@ def _initial_params(cfg, tc, key, mesh=None):
     return init_params(cfg, key)
 
 
-def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
+def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
     """(TrainState born sharded, the step jitted with that state's shardings pinned in and out).
 
     Pinned so the step compiles once: left to propagation, the first call sees the state as
@@ -100,13 +117,19 @@ def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.train.step import TrainState
+    from k3jax.train.muon import trained_mask
+    from k3jax.train.step import opt_init, split_trained
     replicated = NamedSharding(mesh[0], P())
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    opt_sh = jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract).compile().output_shardings
+
+    def first_update(p):
+        t = split_trained(p, trained_mask(groups))[0]
+        return tx.update(f32(t), opt_init(tx, p, groups), t)[1]
+    opt_sh = jax.jit(first_update).lower(abstract).compile().output_shardings
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
-    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
                     out_shardings=state_sh)(params)
 
     def sharded_train_step(state, batch):
@@ -114,6 +137,14 @@ def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
     step = jax.jit(sharded_train_step, in_shardings=(state_sh, batch_sharding),
                    out_shardings=(state_sh, replicated), donate_argnums=(0,))
     return state, step
+
+
+def _with_lora(cfg, tc):
+    """`cfg` with the train config's `lora:` section resolved onto it (k3jax.train.lora)."""
+    from k3jax.model import abstract_params
+    from k3jax.train import lora
+    spec = lora.resolve(tc["lora"], cfg, abstract_params(cfg)) if tc["lora"]["rank"] else None
+    return cfg.with_runtime(lora=spec) if spec is not None else cfg
 
 
 def _barrier(name: str):
@@ -142,7 +173,7 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    m, rules = sharding.load_mesh(mesh)
+    m, rules = sharding.load_mesh(sharding.preset_for(mesh, "train"))
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
 
@@ -160,6 +191,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     cfg = k3.text.with_runtime(**tc["runtime"])
     if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
+    cfg = _with_lora(cfg, tc)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     rundir.make_dirs(run_dir)
     if main:
@@ -173,10 +205,15 @@ def _run(config_path: str, overrides, log, mesh) -> int:
 
     t0 = time.perf_counter()
     params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
-    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
+    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
+                                      tc["lora"] if cfg.runtime.lora is not None else None)
+    if cfg.runtime.lora is not None:
+        n = sum(x.size for x in jax.tree.leaves(params["lora"]))
+        log(f"lora: rank {cfg.runtime.lora.rank}, {len(cfg.runtime.lora.targets)} projections per layer kind, "
+            f"{n:,d} adapter params trained; the base is frozen")
     train_step = tstep.make_train_step(cfg, tc, tx, groups)
     if mesh is None:
-        state = tstep.init_state(params, tx)
+        state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
     else:
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -187,7 +224,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         # only the slices its own devices hold
         place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
                                  for k, v in b.items()}
-        state, train_step = _sharded_state_and_step(mesh, params, tx, train_step, rows)
+        state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
@@ -197,8 +234,9 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
     latest = mgr.latest_step()
     if latest is not None:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
+        state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
+                                           groups)
         log(f"resumed from step {latest} ({run_dir}/checkpoints)")
     start = int(state.step)
     if start >= tc["steps"]:
@@ -219,7 +257,8 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     stop = {"sigterm": False}
     prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
     tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
-    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1))
+    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), groups,
+                          cfg.num_experts_per_token or 1)
     peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
     bar = _Progress(tc["steps"])
     rc, last_loss, t_log, steps_since = 0, None, time.perf_counter(), 0
@@ -262,7 +301,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                         f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
                     t_log, steps_since = time.perf_counter(), 0
                 if step % tc["ckpt_every"] == 0 or step == tc["steps"] or stop["sigterm"]:
-                    mgr.save(step, args=ocp.args.StandardSave(state))
+                    mgr.save(step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
                 if stop["sigterm"]:
                     log(f"SIGTERM: saved step {step}; exiting cleanly")
                     break
