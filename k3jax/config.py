@@ -21,10 +21,12 @@ from typing import Any
 
 import yaml
 
+from k3jax.errors import K3JaxError
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(K3JaxError):
     """A config key is unknown, missing or inconsistent; the message names it."""
 
 
@@ -72,7 +74,7 @@ LORA_EXPERT_MODES = ("per_expert", "shared_a")
 @dataclass(frozen=True)
 class LoraSpec:
     """Which projections carry low-rank adapters and their size (resolved from the train
-    config's `lora:` section by `k3jax.train.lora`; never part of config.json).
+    config's `lora:` section by `k3jax.lora`; never part of config.json).
 
     `targets` are module paths inside a decoder layer ('self_attn/q_proj',
     'block_sparse_moe/w1', 'block_sparse_moe/shared_experts/up_proj', ...): scanned layers
@@ -132,7 +134,7 @@ class RuntimeOptions:
     # bytes ('mxfp4': E2M1 codes + E8M0 scales, dequantized tile by tile inside the matmul;
     # frozen, as integers have no gradient)
     expert_format: str = "bf16"
-    lora: LoraSpec | None = None      # low-rank adapters (k3jax.train.lora); None = off
+    lora: LoraSpec | None = None      # low-rank adapters (k3jax.lora); None = off
 
     def __post_init__(self):
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
@@ -147,7 +149,7 @@ class RuntimeOptions:
         _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
                f"expected one of {EXPERT_FORMATS}")
         _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
-               "expected a LoraSpec (resolve a train config's lora: section with k3jax.train.lora)")
+               "expected a LoraSpec (resolve a train config's lora: section with k3jax.lora)")
         for key in ("dtype", "param_dtype"):
             _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))
 

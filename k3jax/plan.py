@@ -39,7 +39,7 @@ class PlanOptions:
     lora_rank: int = 0               # train config lora.rank (0 = full fine-tuning)
     lora_expert_rank: int | None = None
     lora_expert_mode: str = "per_expert"
-    lora_targets: tuple[str, ...] | None = None   # None: k3jax.train.lora.DEFAULT_TARGETS
+    lora_targets: tuple[str, ...] | None = None   # None: k3jax.lora.DEFAULT_TARGETS
     lora_optimizer: str = "adamw"
     freeze: tuple[str, ...] = ()     # optimizer.freeze globs
 
@@ -65,7 +65,7 @@ def run_config(cfg: ModelConfig, opt: PlanOptions) -> ModelConfig:
     if opt.mode != "train" or not opt.lora_rank:
         return cfg
     from k3jax.model import abstract_params
-    from k3jax.train import lora
+    from k3jax import lora
     section = {"rank": opt.lora_rank, "expert_rank": opt.lora_expert_rank, "expert_mode": opt.lora_expert_mode,
                "targets": list(opt.lora_targets) if opt.lora_targets is not None else None}
     return cfg.with_runtime(lora=lora.resolve(section, cfg, abstract_params(cfg)))

@@ -13,7 +13,8 @@ from k3jax import model as M
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.config import ConfigError, K3Config
 from k3jax.layout import layer_subpath
-from k3jax.train import config as tconf, lora, muon, step as tstep
+from k3jax import lora
+from k3jax.train import config as tconf, muon, step as tstep
 from k3jax.train.variants import variant_dict
 
 from helpers import rel_l2

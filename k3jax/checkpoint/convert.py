@@ -36,14 +36,12 @@ import numpy as np
 
 from k3jax.checkpoint.hf_params import (FLOAT_DTYPES, CheckpointMismatch, check_names, check_stored,
                                         mismatch_message, mxfp4_paths, read_mxfp4_entry, to_tree_layout)
-from k3jax.checkpoint.load import local_path
+from k3jax.checkpoint.dirs import FORMAT, MANIFEST, local_path
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.checkpoint.orbax_io import TreeWriter
 from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
 from k3jax.config import K3Config
 
-MANIFEST = "k3jax_checkpoint.json"
-FORMAT = "k3jax-orbax-1"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 

@@ -12,12 +12,13 @@ from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
 from k3jax.checkpoint.names import VISION_PREFIXES, TensorEntry, hf_prefixes, tensor_map, vision_names
 from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.config import ModelConfig, VisionConfig
+from k3jax.errors import K3JaxError
 
 NON_TEXT_PREFIXES = VISION_PREFIXES
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(K3JaxError):
     """The checkpoint's tensors do not match the config; the message lists which."""
 
 

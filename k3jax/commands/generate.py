@@ -1,6 +1,7 @@
 """`k3jax generate DIR --prompt TEXT`: prefill + cached decode, streaming the text.
 
-DIR is an HF safetensors directory or a `k3jax convert` output. Text prompts use the
+DIR is an HF safetensors directory, a `k3jax convert` output, a training run directory
+(its newest checkpoint) or one of its `checkpoints/N`. Text prompts use the
 byte tokenizer for byte-level vocabularies (≤ 512 ids, the toy configs); the real
 163,840-id vocabulary needs the checkpoint's tokenizer file (`--tokenizer
 tiktoken.model`), or token ids made with it (`--prompt-ids`). `--out` writes the
@@ -21,7 +22,8 @@ import sys
 
 def register(sub):
     p = sub.add_parser("generate", help="prefill + cached decode; streams text or writes generated ids")
-    p.add_argument("model_dir", help="HF safetensors directory or k3jax checkpoint")
+    p.add_argument("model_dir", help="HF safetensors directory, k3jax checkpoint, training run directory "
+                                     "or its checkpoints/N")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (byte-level vocabularies only)")
     src.add_argument("--prompt-ids", help=".npy of token ids, [T] or [B, T] (rows must be full length)")
@@ -34,7 +36,7 @@ def register(sub):
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating past the eos token")
     p.add_argument("--out", help="write {'prompt_ids', 'generated_ids'} as JSON here")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="params and compute dtype (default: the checkpoint's)")
+                   help="params and compute dtype (default: float32; a run's own training dtypes)")
     p.add_argument("--image", nargs="+", metavar="FILE", help="image files the prompt refers to, in order")
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 def register(sub):
     p = sub.add_parser("logits", help="fp32 logits of a forward pass from an HF or Orbax checkpoint")
-    p.add_argument("dir", help="HF safetensors directory or `k3jax convert` output")
+    p.add_argument("dir", help="HF safetensors directory, `k3jax convert` output, training run directory "
+                               "or its checkpoints/N")
     p.add_argument("--tokens", required=True, help=".npy of integer token ids [batch, length] (or [length])")
     p.add_argument("--out", required=True, help="where to write the float32 logits .npy [batch, length, vocab]")
     p.add_argument("--image", nargs="+", metavar="FILE",

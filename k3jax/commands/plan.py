@@ -7,7 +7,8 @@ import json
 
 def register(sub):
     p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
-    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset or config.json")
+    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
+                                     "directory (checkpoint, training run)")
     p.add_argument("--mesh", required=True, help="mesh preset in configs/meshes/ or a YAML path")
     p.add_argument("--mode", choices=["train", "infer"], default="train")
     p.add_argument("--hbm-gib", type=float, default=None, help="per-device memory (default: the preset's)")
@@ -26,7 +27,7 @@ def register(sub):
     p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
     p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
-                   help="LoRA target globs (default: k3jax.train.lora.DEFAULT_TARGETS)")
+                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
     p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
                    help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
@@ -38,9 +39,9 @@ def register(sub):
 
 @functools.lru_cache(maxsize=4)
 def _total_params(config: str) -> int:
-    from k3jax.config import load_k3
+    from k3jax.checkpoint.load import load_any_config
     from k3jax.param_count import count_params
-    k3 = load_k3(config)
+    k3 = load_any_config(config)
     return count_params(k3.text, k3.layout)["total"]
 
 
@@ -49,11 +50,11 @@ def _gib(n) -> str:
 
 
 def run(args) -> int:
-    from k3jax.config import load_k3
+    from k3jax.checkpoint.load import load_any_config
     from k3jax.plan import PlanOptions, plan
     from k3jax.sharding import load_preset
 
-    k3 = load_k3(args.config)
+    k3 = load_any_config(args.config)
     preset = load_preset(args.mesh)
     opt = PlanOptions(mode=args.mode, batch=args.batch, seq=args.seq, remat=args.remat,
                       optimizer=args.optimizer, param_dtype=args.param_dtype,

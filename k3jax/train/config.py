@@ -17,8 +17,8 @@ start), sample_prompt, sample_tokens.
              pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
              expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
-             targets (globs; null = k3jax.train.lora.DEFAULT_TARGETS), optimizer ('adamw' |
-             'muon'), lr (see k3jax/train/lora.py)
+             targets (globs; null = k3jax.lora.DEFAULT_TARGETS), optimizer ('adamw' |
+             'muon'), lr (see k3jax/lora.py)
 
 Overrides: `steps=200`, `optimizer.lr=1e-3`, `data.path=my.jsonl`; values parse as YAML.
 Unknown keys are errors that name the key.

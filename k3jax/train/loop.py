@@ -140,9 +140,9 @@ def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding
 
 
 def _with_lora(cfg, tc):
-    """`cfg` with the train config's `lora:` section resolved onto it (k3jax.train.lora)."""
+    """`cfg` with the train config's `lora:` section resolved onto it (k3jax.lora)."""
     from k3jax.model import abstract_params
-    from k3jax.train import lora
+    from k3jax import lora
     spec = lora.resolve(tc["lora"], cfg, abstract_params(cfg)) if tc["lora"]["rank"] else None
     return cfg.with_runtime(lora=spec) if spec is not None else cfg
 
@@ -164,6 +164,30 @@ def _data_path(path: str) -> str:
         return path
     in_repo = os.path.join(os.path.dirname(CONFIG_DIR), path)
     return in_repo if os.path.exists(in_repo) else path
+
+
+def _shown(path: str) -> str:
+    """A path as the user would type it: relative when under the working directory."""
+    if rundir.is_url(path):
+        return path
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def next_commands(run_dir: str, k3, tc: dict, config_path: str) -> list[str]:
+    """What to do with a finished run: every command that takes a model directory takes it."""
+    import shlex
+    run = shlex.quote(_shown(run_dir))
+    out = shlex.quote(_shown(run_dir.rstrip("/") + "-hf"))
+    quant = (k3.to_hf().get("text_config", {}).get("quantization_config")
+             or k3.to_hf().get("quantization_config"))
+    experts = "" if quant or not k3.text.num_experts else " --experts-bf16"
+    prompt = shlex.quote(tc["sample_prompt"] or "Hello")
+    return [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
+            f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids",
+            f"k3jax export {run} {out}{experts}      # the released safetensors layout",
+            f"k3jax train {shlex.quote(config_path)} init_from={run} run_name={shlex.quote(str(tc['run_name']))}-2"
+            f"   # a new run from these weights"]
 
 
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
@@ -319,4 +343,8 @@ def _run(config_path: str, overrides, log, mesh) -> int:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
+    if rc == 0 and not stop["sigterm"]:
+        log("next (a run directory or its checkpoints/N works wherever a model directory does):")
+        for line in next_commands(run_dir, k3, tc, config_path):
+            log(f"  {line}")
     return rc

@@ -1,4 +1,4 @@
-"""LoRA: the train config's `lora:` section resolved against a model into a `LoraSpec`.
+"""LoRA targets: the train config's `lora:` section resolved against a model into a `LoraSpec`.
 
     lora:
       rank: 16              # 0 = off (full fine-tuning)
