@@ -44,30 +44,18 @@ def module_name(cfg: ModelConfig, layout: str, layer: int, target: str, dense_ml
     return f"{pre}layers.{layer}." + ".".join(parts)
 
 
-def targets_of_layer(cfg: ModelConfig, spec: LoraSpec, layer: int) -> list[str]:
-    """The LoRA targets a decoder layer has (its attention and feed-forward kinds)."""
-    attn = {"kda": ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "o_proj", "g_proj",
-                    "g_a_proj", "g_b_proj"),
-            "mla": ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj")}
-    have = {f"self_attn/{n}" for n in attn[cfg.layer_kinds[layer]]}
-    if cfg.ffn_kinds[layer] == "dense":
-        have |= {f"mlp/{n}" for n in ("gate_proj", "up_proj", "down_proj")}
-    else:
-        have |= {f"block_sparse_moe/{w}" for w in ("w1", "w2", "w3")}
-        have |= {f"block_sparse_moe/shared_experts/{n}" for n in ("gate_proj", "up_proj", "down_proj")}
-    return sorted(t for t in spec.targets if t in have)
-
-
-def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, read, layout: str = "k3", dense_mlp_name: str = "mlp"):
-    """Yield (name, array) of every adapter tensor, layer by layer. `read(path, index)`
-    returns the adapter leaf at tree `path` (inside params['lora']) sliced at the stacked
-    `index`, as numpy; only one layer's adapters are read at a time."""
+def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k3", dense_mlp_name: str = "mlp"):
+    """Yield (name, array) of every adapter tensor, layer by layer. `adapters` has `.paths`
+    (the leaf paths of params['lora']) and `.get(path, index)`, the leaf at `path` sliced at
+    the stacked `index`, as numpy; only one layer's adapters are read at a time."""
     for layer in range(cfg.num_hidden_layers):
         loc, idx = layer_location(cfg, layer)
-        for target in targets_of_layer(cfg, spec, layer):
+        for target in sorted(spec.targets):
             path = loc + tuple(target.split("/"))
-            a = np.asarray(read(path + ("lora_a",), idx), np.float32)
-            b = np.asarray(read(path + ("lora_b",), idx), np.float32) * spec.scale_of(target)
+            if path + ("lora_a",) not in adapters.paths:   # this layer's kind has no such module
+                continue
+            a = np.asarray(adapters.get(path + ("lora_a",), idx), np.float32)
+            b = np.asarray(adapters.get(path + ("lora_b",), idx), np.float32) * spec.scale_of(target)
             name = module_name(cfg, layout, layer, target, dense_mlp_name)
             if not is_expert_target(target):
                 yield f"{PEFT_PREFIX}{name}.lora_A.weight", np.ascontiguousarray(a.T)
@@ -109,14 +97,14 @@ def _path_regex(target: str) -> str:
     return "\\.".join([head] + [re.escape(p) for p in parts[1:]])
 
 
-def write_adapter(out_dir, cfg: ModelConfig, spec: LoraSpec, read, layout: str = "k3",
+def write_adapter(out_dir, cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k3",
                   dense_mlp_name: str = "mlp", base_model: str = "") -> dict:
     """adapter_config.json + adapter_model.safetensors in `out_dir` (written atomically by
     the safetensors writer; the directory must be new). Returns {'tensors', 'bytes'}."""
     from k3jax.checkpoint.safetensors_io import write_safetensors
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=False)
-    tensors = dict(adapter_tensors(cfg, spec, read, layout, dense_mlp_name))
+    tensors = dict(adapter_tensors(cfg, spec, adapters, layout, dense_mlp_name))
     write_safetensors(out / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(adapter_config(cfg, spec, base_model), indent=2) + "\n")
     return {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}

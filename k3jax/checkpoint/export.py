@@ -380,7 +380,7 @@ def export_adapter(run_dir, out_dir) -> dict:
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
-        r = write_adapter(tmp, cfg, spec, adapters.get, src.layout, src.dense_mlp_name,
+        r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,
                           base_model=str(src.train.get("init_from") or ""))
         os.rename(tmp, out_dir)
     except BaseException:
