@@ -64,6 +64,7 @@ class Example:
     ids: np.ndarray
     train: np.ndarray
     images: list = field(default_factory=list)
+    dropped_reasoning: bool = False      # thinking off, so the turns' reasoning was not rendered
 
 
 def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict, image_grid=None) -> Example:
@@ -78,8 +79,11 @@ def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
     ids, train = np.asarray(ex["ids"], np.int32), np.asarray(ex["loss_mask"], bool)
+    dropped = not opts.get("thinking", True) and any(
+        isinstance(m, dict) and m.get("role") == "assistant" and (m.get("reasoning_content") or m.get("reasoning"))
+        for m in row["messages"])
     if not sources:
-        return Example(where, ids, train)
+        return Example(where, ids, train, dropped_reasoning=dropped)
     if image_grid is None:
         raise ValueError(f"{where}: the conversation holds images but the model has no vision tower")
     pad = tokenizer.token_id("<|media_pad|>")
@@ -94,7 +98,7 @@ def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict
     ids, train = np.repeat(ids, reps), np.repeat(train, reps)
     ends = np.cumsum(reps)
     images = [(src, grid, int(ends[p] - reps[p]), int(ends[p])) for src, grid, p in zip(sources, grids, where_pads)]
-    return Example(where, ids, train, images)
+    return Example(where, ids, train, images, dropped)
 
 
 def _cut(ex: Example, width: int) -> Example:

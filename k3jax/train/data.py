@@ -141,6 +141,7 @@ class ChatDataset(PackedDataset):
         examples = [build_example(where, folder, row, tokenizer, options, grid_of)
                     for where, folder, row in conversations]
         packed = pack_examples(examples, seq_len, pad_id, truncate)
+        packed.stats["reasoning_dropped"] = sum(e.dropped_reasoning for e in examples)
         self.tokens, self.segs, self.train, self.images = packed.tokens, packed.segs, packed.train, packed.images
         self.stats, self.seq_len, self.n_tokens = packed.stats, seq_len, packed.stats["tokens"]
         self.has_images = any(self.images)
@@ -150,7 +151,9 @@ class ChatDataset(PackedDataset):
         return (f"chat: {s['conversations']} conversations -> {s['whole']} whole, {s['cut']} cut to "
                 f"{self.seq_len + 1} tokens, {s['dropped_long'] + s['dropped_untrained']} dropped "
                 f"({s['dropped_untrained']} with no trained token, {s['dropped_long']} too long); "
-                f"{s['tokens']:,d} tokens ({s['trained_tokens']:,d} trained) in {self.n_rows} rows of {self.seq_len}")
+                f"{s['tokens']:,d} tokens ({s['trained_tokens']:,d} trained) in {self.n_rows} rows of {self.seq_len}"
+                + (f"; {s['reasoning_dropped']} rendered with thinking off lost their reasoning"
+                   if s["reasoning_dropped"] else ""))
 
     def batch(self, seed: int, step: int, batch_size: int, grad_accum: int = 1) -> dict:
         idx = self.row_indices(seed, step, batch_size * grad_accum)
