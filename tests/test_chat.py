@@ -331,6 +331,7 @@ def test_ids_decide_structure_quoted_markers_stay_text():
     m = {"role": "assistant", "reasoning_content": "see <|close|>think<|sep|> typed", "content": "<|end_of_msg|>?"}
     ids = tokenize(reply_segments(m), TOK)
     assert_reply_is(parse_reply(ids, tokenizer=TOK), m)
+    assert parse_reply(ids) == parse_reply(ids, tokenizer=TOK)        # the toy vocabulary by default
     assert parse_reply(text_of(reply_segments(m)))["reasoning_content"] == "see "   # text can't tell them apart
 
 

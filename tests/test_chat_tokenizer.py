@@ -83,10 +83,13 @@ def test_real_tokenizer_path_on_a_small_bpe_file(tmp_path):
     ids = tokenize(segs, tok)
     want = [i for s in segs for i in (ref.encode(s.text, allowed_special="all") if s.markup
                                       else ref.encode(s.text, disallowed_special=()))]
-    assert ids == want
+    assert ids == want == tokenize(segs, ref)        # a bare tiktoken.Encoding encodes per segment too
     # <|open|> is one id per markup <|open|> (4 elements + the generation prompt's 2); the user's stays text
     assert ids.count(n_base + 3) == 6 == sum(s == ("<|open|>", True) for s in segs)
     assert tok.decode(ids, specials=True) == "".join(s.text for s in segs)
+    # the prefix property on the BPE path: the prompt's ids begin the conversation's ids
+    prompt = tokenize(render(msgs[:1], thinking_effort=None), tok)
+    assert tokenize(render(msgs, add_generation_prompt=False, thinking_effort=None), tok)[:len(prompt)] == prompt
     # sft on the real path: every trained token is an assistant token and the mask ends on <|end_of_msg|>
     ex = sft_example(msgs, tok, thinking_effort="low")
     assert ex["ids"][-1] == tok.token_id("<|end_of_msg|>") and ex["loss_mask"][-1] == 1

@@ -201,11 +201,43 @@ def test_shipped_toy_chat_config_is_the_toy_model():
     assert any(isinstance(m["content"], list) for _, _, r in rows for m in r["messages"] if m["role"] == "user")
 
 
-def test_generate_messages_decodes_the_rendered_prompt(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A one-layer toy K3 with random weights, written as an HF safetensors directory."""
+    import jax
+    from flax import linen as nn
+
+    from k3jax import model as M
+    from k3jax.checkpoint.hf_params import from_tree_layout
+    from k3jax.checkpoint.names import stored_shape, tensor_map
+    from k3jax.checkpoint.safetensors_io import write_safetensors
+    from k3jax.train.variants import variant_dict
+    d = tmp_path_factory.mktemp("tiny_ckpt")
+    hf = variant_dict(layers=("kda",))
+    hf.pop("train")
+    cfg = C.K3Config.from_hf(hf).text
+    rng = np.random.default_rng(3)     # numpy weights: nothing to compile
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, s: np.ones(s.shape, np.float32) if p[-1].key in ("weight", "norm") else
+        (0.05 * rng.normal(size=s.shape)).astype(np.float32), nn.unbox(M.abstract_params(cfg)))
+    out = {}
+    for e in tensor_map(cfg, "k3", "mlp"):
+        leaf = params
+        for k in e.path:
+            leaf = leaf[k]
+        slot = np.asarray(leaf, np.float32)[e.index]
+        out[f"{e.hf}.weight" if e.is_expert else e.hf] = (np.ascontiguousarray(slot.T) if e.is_expert else
+                                                          from_tree_layout(e, slot, stored_shape(e, slot.shape, cfg, "k3")))
+    write_safetensors(d / "model.safetensors", out)
+    (d / "config.json").write_text(json.dumps(hf))
+    return d
+
+
+def test_generate_messages_decodes_the_rendered_prompt(tiny_checkpoint, tmp_path, capsys):
+    from k3jax.checkpoint.load import load_model_dir
     from k3jax.infer import generate as G
     from k3jax.infer.sampling import SamplingParams
-    from k3jax.checkpoint.load import load_model_dir
-    d = need(FIXTURES / "fixture_c")
+    d = tiny_checkpoint
     conv = tmp_path / "conv.json"
     msgs = [{"role": "user", "content": "Hi"}]
     conv.write_text(json.dumps({"messages": msgs}))
@@ -220,9 +252,12 @@ def test_generate_messages_decodes_the_rendered_prompt(tmp_path, capsys):
     want = G.generate(k3.text, params, [prompt], 6, SamplingParams(), eos_id=tok.token_id("<|end_of_msg|>"))[0]
     assert got["generated_ids"] == want
     assert reply == got["reply"] == parse_reply(want, tokenizer=tok)
-    # streamed: the reasoning comes under its own label
+    # streamed: reasoning under its own label (the reply starts inside the pre-opened think)
     assert cli.main(["generate", str(d), "--messages", str(conv), "--thinking-effort", "none",
                      "--max-new-tokens", "6"]) == 0
     shown = capsys.readouterr().out
-    if reply["reasoning_content"]:
-        assert shown.startswith("[reasoning]\n" + reply["reasoning_content"])
+    assert not reply["reasoning_content"] or shown.startswith("[reasoning]\n" + reply["reasoning_content"])
+    with pytest.raises(SystemExit):
+        cli.main(["generate", str(d), "--messages", str(conv), "--prompt", "x"])
+    conv.write_text("[]")
+    assert cli.main(["generate", str(d), "--messages", str(conv)]) == 2

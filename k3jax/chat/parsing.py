@@ -177,16 +177,20 @@ def _reply(root: _Element) -> dict:
 def _events(text_or_ids, tokenizer):
     if isinstance(text_or_ids, str):
         return _events_from_text(text_or_ids)
+    ids = [int(i) for i in text_or_ids]
     if tokenizer is None:
-        raise TypeError("parse_reply of token ids needs tokenizer= (the one that made them)")
-    return _events_from_ids(list(text_or_ids), tokenizer)
+        if max(ids, default=0) >= 512:
+            raise TypeError("parse_reply of token ids needs tokenizer= (the one that made them)")
+        from k3jax.tokenizer import ByteTokenizer
+        tokenizer = ByteTokenizer()      # the toy preset's byte vocabulary
+    return _events_from_ids(ids, tokenizer)
 
 
 def parse_reply(text_or_ids, *, thinking: bool = True, tokenizer=None) -> dict:
     """{'reasoning_content': str, 'content': str, 'tool_calls': [{'id', 'type': 'function',
     'function': {'name', 'arguments' (a JSON string)}}]} of a generated reply: text, or token
-    ids (with the `tokenizer` that made them). `thinking`: whether the generation prompt
-    opened `think` (else `response`)."""
+    ids with the `tokenizer` that made them (default: the toy preset's byte vocabulary).
+    `thinking`: whether the generation prompt opened `think` (else `response`)."""
     root, _ = _build(_events(text_or_ids, tokenizer), thinking, final=True)
     return _reply(root)
 

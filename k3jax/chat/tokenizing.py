@@ -17,9 +17,21 @@ def _pairs(segments):
         yield text, bool(markup)
 
 
+def _encoder(tokenizer):
+    enc = getattr(tokenizer, "encode_segment", None)
+    if enc is not None:
+        return enc
+    if hasattr(tokenizer, "encode_ordinary"):      # a bare tiktoken.Encoding
+        return lambda text, markup: (tokenizer.encode(text, allowed_special="all") if markup
+                                     else tokenizer.encode_ordinary(text))
+    raise TypeError(f"{type(tokenizer).__name__} cannot encode chat segments (k3jax.tokenizer's tokenizers, or a "
+                    f"tiktoken.Encoding)")
+
+
 def segment_ids(segments, tokenizer) -> list[list[int]]:
     """The ids of each segment, encoded alone (`tokenizer.encode_segment`)."""
-    return [tokenizer.encode_segment(text, markup) for text, markup in _pairs(segments)]
+    enc = _encoder(tokenizer)
+    return [enc(text, markup) for text, markup in _pairs(segments)]
 
 
 def tokenize(segments, tokenizer) -> list[int]:

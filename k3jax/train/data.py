@@ -14,6 +14,10 @@ documents' own losses.
 Order: rows are shuffled per epoch by a permutation seeded with (seed, epoch), and step s
 takes global rows s·R … s·R+R−1 (R = rows per step). A batch depends only on (seed, step), so
 a resumed run sees exactly the batches the uninterrupted one would have.
+
+Chat (`data.format: chat`, `ChatDataset`): JSONL conversations become SFT examples in K3's
+own format (k3jax.chat), packed whole into rows (k3jax.chat.packing); the loss mask is the
+examples' trained assistant tokens, and rows with images carry their pixels.
 """
 from __future__ import annotations
 
@@ -190,5 +194,8 @@ def build_dataset(data: dict, tokenizer, k3, path: str, media_dir: str | None = 
             raise ValueError(f"the tokenizer's <|media_pad|> ({tokenizer.token_id('<|media_pad|>')}) is not the "
                              f"config's media_placeholder_token_id ({k3.top['media_placeholder_token_id']})")
     options = {"train_on": chat["train_on"], "thinking": chat["thinking"], "thinking_effort": chat["thinking_effort"]}
-    return ChatDataset(read_conversations(path), tokenizer, data["seq_len"], k3.text.pad_token_id, options=options,
-                       truncate=chat["truncate"], vision=vision, media=media)
+    ds = ChatDataset(read_conversations(path), tokenizer, data["seq_len"], k3.text.pad_token_id, options=options,
+                     truncate=chat["truncate"], vision=vision, media=media)
+    if ds.has_images and data["grad_accum"] != 1:
+        raise ValueError(f"{path}: chat data with images needs data.grad_accum=1 (a step's image grids are static)")
+    return ds
