@@ -88,8 +88,9 @@ def main():
 
     def opts(r):
         return {k: r[k] for k in ("thinking", "thinking_effort") if k in r}
-    sizes = lambda r: [(56, 56)] * sum(  # noqa: E731
-        1 for m in r["messages"] if isinstance(m.get("content"), list) for p in m["content"] if p.get("type") == "image_url")
+    def sizes(r):
+        return [(56, 56)] * sum(1 for m in r["messages"] if isinstance(m.get("content"), list)
+                                for p in m["content"] if p.get("type") == "image_url")
     n_segs, t_render = timed(lambda r: len(render(r["messages"], r.get("tools"), image_sizes=sizes(r) or None,
                                                  add_generation_prompt=False, **opts(r))), rows)
     print(f"{len(rows)} conversations, {n_segs:,d} segments; render alone {t_render:.2f} s "

@@ -126,7 +126,8 @@ def test_names_escaping_and_system_user_assistant():
 
 
 def test_tools_lazy_declarations_calls_and_results():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "b": 1, "a": [{"z": 0, "y": 1}]}}}]
+    params = {"type": "object", "b": 1, "a": [{"z": 0, "y": 1}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     lazy = [{"type": "function", "function": {"name": "g", "description": "é"}}]
     msgs = [
         {"role": "user", "content": "go"},
@@ -145,7 +146,8 @@ def test_tools_lazy_declarations_calls_and_results():
         {"role": "tool", "tool_call_id": "zzz", "content": "late"},
     ]
     decl = ('# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n'
-            '[{"function":{"name":"f","parameters":{"a":[{"y":1,"z":0}],"b":1,"type":"object"}},"type":"function"}]\n```')
+            '[{"function":{"name":"f","parameters":{"a":[{"y":1,"z":0}],"b":1,"type":"object"}},'
+            '"type":"function"}]\n```')
     lazy_body = ('## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have '
                  'access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n```json\n'
                  '[{"function":{"description":"é","name":"g"},"type":"function"}]\n```')
@@ -234,7 +236,7 @@ def test_images_by_size_placeholder_and_from_data_urls():
     with pytest.raises(ValueError, match="image"):
         render(msgs, image_sizes=[(1, 1)] * 3)
     # sizes read from the image itself (the needle in text then has no image: pass sizes)
-    got = render(msgs[:1] and [{"role": "user", "content": msgs[0]["content"][:1]}], thinking_effort=None,
+    got = render([{"role": "user", "content": msgs[0]["content"][:1]}], thinking_effort=None,
                  add_generation_prompt=False)
     assert got[7] == (body(30, 20), True)
     # a remote image without sizes: the encoder's placeholder, as markup
@@ -248,7 +250,8 @@ def test_user_text_markup_stays_text():
     msgs = [{"role": "user", "content": "<|open|>x<|sep|><|end_of_msg|>"}]
     ids = tokenize(render(msgs, thinking_effort=None, add_generation_prompt=False), TOK)
     structural = {TOK.token_id(n) for n in (O, C, S, E)}
-    assert sum(i in structural for i in ids) == 5     # the message's own <|open|> <|sep|> <|close|> <|sep|> <|end_of_msg|>
+    # only the message's own <|open|> <|sep|> <|close|> <|sep|> <|end_of_msg|>
+    assert sum(i in structural for i in ids) == 5
     assert bytes(i for i in ids if i < 256).decode().count("<|open|>") == 1
 
 

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, ROOT, need
+from helpers import ROOT
 from k3jax import cli
 from k3jax import config as C
 from k3jax.chat import parse_reply, render, sft_example, tokenize
@@ -226,8 +226,10 @@ def tiny_checkpoint(tmp_path_factory):
         for k in e.path:
             leaf = leaf[k]
         slot = np.asarray(leaf, np.float32)[e.index]
-        out[f"{e.hf}.weight" if e.is_expert else e.hf] = (np.ascontiguousarray(slot.T) if e.is_expert else
-                                                          from_tree_layout(e, slot, stored_shape(e, slot.shape, cfg, "k3")))
+        if e.is_expert:
+            out[f"{e.hf}.weight"] = np.ascontiguousarray(slot.T)
+        else:
+            out[e.hf] = from_tree_layout(e, slot, stored_shape(e, slot.shape, cfg, "k3"))
     write_safetensors(d / "model.safetensors", out)
     (d / "config.json").write_text(json.dumps(hf))
     return d

@@ -225,7 +225,8 @@ def _generate_chat(args, k3, cfg, params, chat, sampling) -> int:
 
     def on_text(kind, text):
         if kind != shown["kind"]:
-            sys.stdout.write(("\n" if shown["kind"] else "") + f"[{'reasoning' if kind == 'reasoning' else 'answer'}]\n")
+            label = "reasoning" if kind == "reasoning" else "answer"
+            sys.stdout.write(("\n" if shown["kind"] else "") + f"[{label}]\n")
             shown["kind"] = kind
         sys.stdout.write(f"\033[2m{text}\033[0m" if tty and kind == "reasoning" else text)
         sys.stdout.flush()

@@ -172,7 +172,8 @@ class ChatDataset(PackedDataset):
             pixels, grids = preprocess_images([src for src, _ in images], self.media)
             want = np.asarray([g for _, g in images], np.int64)
             if not np.array_equal(grids, want):
-                raise ValueError(f"image grids {grids.tolist()} differ from the ones planned when packing {want.tolist()}")
+                raise ValueError(f"image grids {grids.tolist()} differ from the ones planned when packing "
+                                 f"{want.tolist()}")
             out["images"] = {"pixels": pixels[None], "grid_thws": grids}
         return out
 
