@@ -64,11 +64,14 @@ def test_fixture_cases_render_tokenize_mask_and_parse():
         assert tokenize(c["segments"], TOK) == [i for p in per for i in p], c["name"]
         if c["assistant_spans"] is None:
             continue
-        ex = sft_example(c["messages"], TOK, c["tools"], image_sizes=c["image_sizes"], **options(c, gen=False))
+        ex = sft_example(c["messages"], TOK, c["tools"], image_sizes=c["image_sizes"], **o)
         want_mask = [int(any(a <= k < b for a, b in c["assistant_spans"])) for k, p in enumerate(per) for _ in p]
-        n = len(ex["ids"])    # without the generation prompt a case may render a few segments fewer
-        assert ex["ids"] == [i for p in per for i in p][:n] and ex["loss_mask"] == want_mask[:n], c["name"]
-        assert sum(want_mask[n:]) == 0
+        assert ex["ids"] == [i for p in per for i in p] and ex["loss_mask"] == want_mask, c["name"]
+        # without the generation prompt (the default): the same tokens up to it
+        plain = sft_example(c["messages"], TOK, c["tools"], image_sizes=c["image_sizes"], **options(c, gen=False))
+        n = len(plain["ids"])
+        assert plain["ids"] == ex["ids"][:n] and plain["loss_mask"] == ex["loss_mask"][:n]
+        assert (n < len(ex["ids"])) == o["add_generation_prompt"]
         assistants = [m for m in c["messages"] if m["role"] == "assistant" and not m.get("name")]
         assert len(assistants) == len(c["assistant_spans"])
         for m, (a, b) in zip(assistants, c["assistant_spans"]):

@@ -30,8 +30,8 @@ def _generated(spans) -> list[tuple[int, int]]:
 
 
 def sft_segments(messages, tools=None, *, thinking: bool = True, thinking_effort: str | None = "max",
-                 tool_choice=None, response_format=None, image_sizes=None,
-                 train_on: str = "all") -> tuple[list[Segment], list[bool]]:
+                 tool_choice=None, response_format=None, image_sizes=None, train_on: str = "all",
+                 add_generation_prompt: bool = False) -> tuple[list[Segment], list[bool]]:
     """(segments, trained flag per segment) of an SFT example; see `sft_example`."""
     if train_on not in ("all", "last"):
         raise ValueError(f"train_on={train_on!r}: expected 'all' or 'last'")
@@ -41,12 +41,12 @@ def sft_segments(messages, tools=None, *, thinking: bool = True, thinking_effort
     if _has_tail(tool_choice, response_format) and isinstance(last, dict) and last.get("role") == "assistant" \
             and not last.get("name"):
         segments, spans = render_spans(messages[:-1], tools, add_generation_prompt=True, **opts, **tail)
-        full, full_spans = render_spans(messages, tools, add_generation_prompt=False, **opts)
+        full, full_spans = render_spans(messages, tools, add_generation_prompt=add_generation_prompt, **opts)
         start, end = _generated(full_spans)[-1]
         trained = _generated(spans) + [(len(segments), len(segments) + end - start)]
-        segments = segments + full[start:end]
+        segments = segments + full[start:]
     else:
-        segments, spans = render_spans(messages, tools, add_generation_prompt=False, **opts, **tail)
+        segments, spans = render_spans(messages, tools, add_generation_prompt=add_generation_prompt, **opts, **tail)
         trained = _generated(spans)
     if train_on == "last":
         trained = trained[-1:]
@@ -57,13 +57,16 @@ def sft_segments(messages, tools=None, *, thinking: bool = True, thinking_effort
 
 
 def sft_example(messages, tokenizer, tools=None, *, thinking: bool = True, thinking_effort: str | None = "max",
-                tool_choice=None, response_format=None, image_sizes=None, train_on: str = "all") -> dict:
+                tool_choice=None, response_format=None, image_sizes=None, train_on: str = "all",
+                add_generation_prompt: bool = False) -> dict:
     """{'ids', 'loss_mask'} (lists of ints) of one conversation: the encoder's tokens (one
     `<|media_pad|>` per image) and 1 on the tokens each trained assistant turn generates
-    (`train_on` 'all' of them, or the 'last'). Render options as `render`'s."""
+    (`train_on` 'all' of them, or the 'last'). Render options as `render`'s; a generation
+    prompt (off by default) is appended untrained."""
     segments, flags = sft_segments(messages, tools, thinking=thinking, thinking_effort=thinking_effort,
                                    tool_choice=tool_choice, response_format=response_format,
-                                   image_sizes=image_sizes, train_on=train_on)
+                                   image_sizes=image_sizes, train_on=train_on,
+                                   add_generation_prompt=add_generation_prompt)
     ids, mask = [], []
     for seg, flag in zip(segment_ids(segments, tokenizer), flags):
         ids += seg
