@@ -26,7 +26,7 @@ import yaml
 
 from k3jax.config import CONFIG_DIR, load_k3
 from k3jax.train import config as tconf, rundir
-from k3jax.train.data import PackedDataset, read_documents
+from k3jax.train.data import build_dataset
 
 
 def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
@@ -82,9 +82,25 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _initial_params(cfg, tc, key, mesh=None):
+def _initial_params(cfg, tc, key, mesh=None, vision=None):
     """Params from `init_from` or a fresh init; with a mesh they are born sharded (restored
-    shard by shard, or initialised under jit with out-shardings), never whole on one host."""
+    shard by shard, or initialised under jit with out-shardings), never whole on one host.
+    `vision` (a VisionConfig, for data with images): the vision tower's params under 'vision'.
+    With LoRA, fresh adapters (their own random stream) join a loaded base."""
+    from k3jax.model import LORA_KEY, init_params
+    params = _base_params(cfg, tc, key, mesh, vision)
+    if cfg.runtime.lora is not None and LORA_KEY not in params:
+        out = None
+        if mesh is not None:
+            from k3jax import sharding
+            out = sharding.param_shardings(cfg, *mesh)[LORA_KEY]
+        params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
+    return params
+
+
+def _base_params(cfg, tc, key, mesh=None, vision=None):
+    if vision is not None:
+        return _multimodal_params(cfg, tc, key, mesh, vision)
     shardings = None
     if mesh is not None:
         from k3jax import sharding
@@ -94,15 +110,25 @@ def _initial_params(cfg, tc, key, mesh=None):
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], shardings=shardings)
         if k3.text.replace(runtime=cfg.runtime) != cfg:
             raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
-        if cfg.runtime.lora is not None:   # fresh adapters on the loaded base
-            from k3jax.model import LORA_KEY, init_params
-            out = None if mesh is None else shardings(cfg)[LORA_KEY]
-            params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
         return params
     if mesh is not None:
         return sharding.init_params_sharded(cfg, key, *mesh)
     from k3jax.model import init_params
     return init_params(cfg, key)
+
+
+def _multimodal_params(cfg, tc, key, mesh, vision):
+    if mesh is not None:
+        raise ValueError("training on images runs on one device for now: drop --mesh, or the images from the data")
+    if tc["init_from"]:
+        from k3jax.checkpoint.load import load_model_dir
+        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], vision=True)
+        if "vision" not in params:
+            raise ValueError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
+                             f"tower weights")
+        return params
+    from k3jax.vision.multimodal import init_multimodal_params
+    return init_multimodal_params(cfg, vision, key)
 
 
 def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
@@ -222,20 +248,24 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         rundir.write_text(f"{run_dir}/config.yaml", yaml.safe_dump({**k3.to_hf(), "train": tc}, sort_keys=False))
 
     d = tc["data"]
-    tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
-    ds = PackedDataset(read_documents(_data_path(d["path"]), d["text_key"]), tok, d["seq_len"], cfg.pad_token_id)
+    tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
+    ds = build_dataset(d, tok, k3, _data_path(d["path"]), tc["init_from"])
+    if d["format"] == "chat":
+        log(ds.summary())
+    vision = k3.vision if getattr(ds, "has_images", False) else None   # chat data with images
     log(f"data: {ds.n_tokens:,d} tokens in {ds.n_rows} packed rows of {d['seq_len']}; "
         f"{d['batch_size']}x{d['grad_accum']} rows per step")
 
     t0 = time.perf_counter()
-    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
+    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh, vision)
     tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
                                       tc["lora"] if cfg.runtime.lora is not None else None)
     if cfg.runtime.lora is not None:
         n = sum(x.size for x in jax.tree.leaves(params["lora"]))
         log(f"lora: rank {cfg.runtime.lora.rank}, {len(cfg.runtime.lora.targets)} projections per layer kind, "
             f"{n:,d} adapter params trained; the base is frozen")
-    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+    train_step = tstep.make_train_step(cfg, tc, tx, groups, **({} if vision is None else {
+        "vision": vision, "media_pad_id": tok.token_id("<|media_pad|>")}))
     if mesh is None:
         state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
@@ -339,6 +369,11 @@ def _run(config_path: str, overrides, log, mesh) -> int:
             f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
         if tc["sample_tokens"] and jax.process_count() > 1:
             log("sample: skipped (the end-of-run sample runs single-process only)")
+        elif tc["sample_tokens"] and d["format"] == "chat":
+            from k3jax.chat.generation import sample_reply
+            reply = sample_reply(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"],
+                                 thinking=d["chat"]["thinking"], thinking_effort=d["chat"]["thinking_effort"])
+            log(f"sample reply to {tc['sample_prompt']!r}: {reply}")
         elif tc["sample_tokens"]:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
