@@ -10,6 +10,8 @@ single process. Each launcher is recognised by what it alone sets, first match w
              node driving every GPU it sees, or k GPUs each
   ompi       Open MPI's mpirun (OMPI_COMM_WORLD_*); Open MPI 5 exports no launcher address,
              so there JAX_COORDINATOR_ADDRESS is needed
+  xpk-gpu    xpk's GPU workloads: JAX_COORDINATOR_ADDRESS (+ _PORT), NNODES, NODE_RANK,
+             one process per node driving its GPUS_PER_NODE
   gke-tpu    GKE / xpk TPU pods: TPU_WORKER_HOSTNAMES (or TPU_PROCESS_ADDRESSES) and
              TPU_WORKER_ID, multislice through MEGASCALE_NUM_SLICES / _SLICE_ID /
              _COORDINATOR_ADDRESS
@@ -43,7 +45,7 @@ _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/att
 
 @dataclass(frozen=True)
 class Launch:
-    kind: str                                  # explicit | slurm | ompi | gke-tpu | tpu-vm
+    kind: str                                  # explicit | xpk-gpu | slurm | ompi | gke-tpu | tpu-vm
     coordinator_address: str                   # host:port of process 0's coordination service
     num_processes: int
     process_id: int
@@ -56,7 +58,8 @@ class Launch:
                 "initialization_timeout": INIT_TIMEOUT_S}
 
     def describe(self) -> str:
-        devices = "all local devices" if self.local_device_ids is None else f"local devices {list(self.local_device_ids)}"
+        ids = self.local_device_ids
+        devices = "all local devices" if ids is None else f"local devices {list(ids)}"
         return (f"{self.kind} launch: process {self.process_id} of {self.num_processes}, "
                 f"coordinator {self.coordinator_address}, {devices}")
 
@@ -283,11 +286,22 @@ def _explicit(env: Mapping) -> Launch | None:
     return Launch("explicit", env["JAX_COORDINATOR_ADDRESS"], n, i, _local_devices(env, "explicit", 0, 1, None))
 
 
+def _xpk_gpu(env: Mapping) -> Launch | None:
+    if not (env.get("JAX_COORDINATOR_ADDRESS") and env.get("NNODES") and env.get("NODE_RANK", "") != ""):
+        return None
+    n, i = _int(env, "NNODES"), _int(env, "NODE_RANK")
+    if n <= 1:
+        return None
+    _check_id("xpk-gpu", n, i)
+    return Launch("xpk-gpu", _with_port(env["JAX_COORDINATOR_ADDRESS"], env, 6002), n, i,
+                  _local_devices(env, "xpk-gpu", 0, 1, None))
+
+
 def detect(env: Mapping | None = None, has_tpu: Callable[[], bool] = tpu_present,
            metadata: Callable[[str], str | None] = gce_metadata) -> Launch | None:
     """The multi-process launch described by `env` (default os.environ), or None."""
     env = os.environ if env is None else env
-    for found in (_explicit(env), _slurm(env), _ompi(env), _gke_tpu(env)):
+    for found in (_explicit(env), _xpk_gpu(env), _slurm(env), _ompi(env), _gke_tpu(env)):
         if found is not None:
             return found
     launch = _tpu_vm(env, has_tpu, metadata)

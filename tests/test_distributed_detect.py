@@ -126,6 +126,13 @@ def test_gke_xpk_tpu_single_and_multislice():
                        "MEGASCALE_SLICE_ID": "1", "MEGASCALE_COORDINATOR_ADDRESS": "h0"}).num_processes == 2
 
 
+def test_xpk_gpu_workload():
+    # what xpk's JobSet sets on A3/A4 GPU node pools: one process per node, all its GPUs
+    env = {"JAX_COORDINATOR_ADDRESS": "k3-sft-slice-job-0-0.k3-sft", "JAX_COORDINATOR_PORT": "6002",
+           "NNODES": "32", "NODE_RANK": "7", "GPUS_PER_NODE": "8"}
+    assert run_detect(env) == Launch("xpk-gpu", "k3-sft-slice-job-0-0.k3-sft:6002", 32, 7, None)
+
+
 def test_tpu_vm_pod_from_metadata():
     meta = {"worker-network-endpoints": "10.1.0.2,10.1.0.3,10.1.0.4,10.1.0.5", "agent-worker-number": "3",
             "tpu-env": "ACCELERATOR_TYPE: 'v5p-32'\nWORKER_ID: '3'\n"}

@@ -13,7 +13,6 @@ jax's SIGTERM handler is polled once a second, a hundred steps of this model on 
 machine; so that the agreed step falls mid-run on any machine, the peer is stopped
 (SIGSTOP) while the notice travels, which holds both processes at their next collective.
 """
-import json
 import os
 import re
 import signal
