@@ -5,7 +5,10 @@ import os
 
 
 def register(sub):
-    p = sub.add_parser("train", help="train or fine-tune from a YAML preset (see k3jax/train/config.py)")
+    p = sub.add_parser("train", help="train or fine-tune from a YAML preset (see k3jax/train/config.py)",
+                       epilog="exit codes: 0 done, 2 bad input, 3 non-finite loss, 42 preempted (SIGTERM to "
+                              "any process: every process saved the same step; rerun the same command to "
+                              "resume; xpk restarts on 42, launch/slurm_gpu.sbatch requeues)")
     p.add_argument("config", help="a YAML preset with a train: section, or a preset name")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. steps=200 optimizer.lr=1e-3 run_name=a")
     p.add_argument("--mesh", default=None,
