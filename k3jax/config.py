@@ -514,7 +514,8 @@ def preset_path(name: str) -> str:
 
 
 def load_k3(name_or_path) -> K3Config:
-    """A preset name (`k3`, `kimi_linear_48b`, `toy`), a YAML preset, a config.json or its folder."""
+    """A preset name (`k3`, `kimi_linear_48b`, `toy`), a YAML preset, a config.json or its folder.
+    A preset with `extends: NAME` takes its model from that preset and its own train: section."""
     p = os.fspath(name_or_path)
     if not os.path.exists(p) and os.path.exists(preset_path(p)):
         p = preset_path(p)
@@ -522,6 +523,12 @@ def load_k3(name_or_path) -> K3Config:
         presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
     d = dict(_read_json_or_dict(p))
+    if "extends" in d:   # `extends: k3`: the model of another preset (name or path), this train:
+        base = d.pop("extends")
+        _check(isinstance(base, str), "extends", base, "a preset name or a path")
+        near = os.path.join(os.path.dirname(p), base)
+        parent = load_k3(near if os.path.exists(near) else base)
+        d = {**parent.to_hf(), **d}
     train = d.pop("train", None) or {}
     _check(isinstance(train, dict), "train", type(train).__name__, "the train section must be a mapping")
     return dataclasses.replace(K3Config.from_hf(d), train=train)

@@ -4,18 +4,18 @@ Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://buck
 (rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
 `keep` newest), `metrics.jsonl` (one object per logged step).
 
-Failure handling: SIGTERM (preemption) finishes the current step, saves, and returns 0; a
-non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
-checkpoint is the last good state (return code 3). `kill -9` loses at most the steps since
-the last checkpoint: a rerun resumes from it and, since batches depend only on (seed, step)
-and the step is deterministic, logs the same losses; metrics.jsonl lines past the resumed
-step are dropped first so the file reads as one run.
+Failure handling: SIGTERM (preemption) to any process: all processes train on to the step
+they agree on (preemption.py), save it together and return PREEMPTED (42), a code
+schedulers restart a job on. A non-finite loss or gradient norm stops *before* that update
+is checkpointed, so the newest checkpoint is the last good state (return code 3). `kill -9`
+loses at most the steps since the last checkpoint: a rerun resumes from it and, since
+batches depend only on (seed, step) and the step is deterministic, logs the same losses;
+metrics.jsonl lines past the resumed step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 
@@ -25,7 +25,8 @@ import numpy as np
 import yaml
 
 from k3jax.config import CONFIG_DIR, load_k3
-from k3jax.train import config as tconf, rundir
+from k3jax.distributed import barrier
+from k3jax.train import config as tconf, preemption, rundir
 from k3jax.train.data import build_dataset
 
 
@@ -167,20 +168,10 @@ def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding
 
 def _with_lora(cfg, tc):
     """`cfg` with the train config's `lora:` section resolved onto it (k3jax.lora)."""
-    from k3jax.model import abstract_params
     from k3jax import lora
+    from k3jax.model import abstract_params
     spec = lora.resolve(tc["lora"], cfg, abstract_params(cfg)) if tc["lora"]["rank"] else None
     return cfg.with_runtime(lora=spec) if spec is not None else cfg
-
-
-def _barrier(name: str):
-    """Every process waits here at the coordinator (no device collective). A process's first
-    collective over a new group of devices gives its peers only 30 s to join on CPU (gloo),
-    less than the skew that compiling the step or initialising can leave between processes."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed   # jax has no public barrier on the coordinator's client
-    distributed.global_state.client.wait_at_barrier(f"k3jax_{name}", 60 * 60 * 1000)
 
 
 def _data_path(path: str) -> str:
@@ -237,6 +228,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     k3 = load_k3(config_path)
     tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
+    say = log                             # what every process reports (its preemption save)
     log = log if main else (lambda *_: None)
     cfg = k3.text.with_runtime(**tc["runtime"])
     if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
@@ -246,6 +238,11 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     rundir.make_dirs(run_dir)
     if main:
         rundir.write_text(f"{run_dir}/config.yaml", yaml.safe_dump({**k3.to_hf(), "train": tc}, sort_keys=False))
+    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
+    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
+    latest = mgr.latest_step()
+    # as early as possible: a SIGTERM from here on resolves to a step this run will reach
+    preemption.begin(latest or 0)
 
     d = tc["data"]
     tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
@@ -283,10 +280,6 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
 
-    _barrier("initialised")   # Orbax's first directory sync is a device collective
-    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
-    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
-    latest = mgr.latest_step()
     if latest is not None:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
         state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
@@ -306,10 +299,9 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
                                               for k, v in batch0.items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
-        _barrier("compiled")
+        barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
-    stop = {"sigterm": False}
-    prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    watch = preemption.PreemptionWatch()
     tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
     fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), groups,
                           cfg.num_experts_per_token or 1)
@@ -354,17 +346,21 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
                         f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
                     t_log, steps_since = time.perf_counter(), 0
-                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or stop["sigterm"]:
+                preempted = watch.reached(step)   # every step, on every process
+                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:
                     mgr.save(step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
-                if stop["sigterm"]:
-                    log(f"SIGTERM: saved step {step}; exiting cleanly")
+                if preempted:
+                    rc = preemption.PREEMPTED
                     break
     finally:
         mgr.wait_until_finished()
         mgr.close()
-        signal.signal(signal.SIGTERM, prev)
+        watch.close()
         bar.close()
-    if rc == 0 and not stop["sigterm"] and last_loss is not None:
+    if rc == preemption.PREEMPTED:
+        say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
+            f"exit code {rc}: rerun the same command to resume")
+    if rc == 0 and last_loss is not None:
         log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
             f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
         if tc["sample_tokens"] and jax.process_count() > 1:
@@ -378,7 +374,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
-    if rc == 0 and not stop["sigterm"]:
+    if rc == 0:
         log("next (a run directory or its checkpoints/N works wherever a model directory does):")
         for line in next_commands(run_dir, k3, tc, config_path):
             log(f"  {line}")
