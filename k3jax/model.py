@@ -371,8 +371,12 @@ def init_params(cfg: ModelConfig, rng, length: int = 1):
         v = nn.unbox(layer.init({"params": _init_key(s), LORA_KEY: _init_key(ls)}, res, None, 0))
         return v["params"], v.get(LORA_KEY, {})
 
+    # Init traces each layer's forward under vmap (dead code XLA drops); the MoE's dense
+    # dispatch keeps that trace free of shard_map and Pallas, whose batching rules need
+    # not hold there. The dispatch is a runtime choice: the params are the same.
+    init_cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg
     for (attn_kind, ffn_kind), idx in by_kind.items():
-        layer = DecoderLayer(cfg, attn_kind, ffn_kind)
+        layer = DecoderLayer(init_cfg, attn_kind, ffn_kind)
         seeds = jnp.stack([_init_seed(rng, i) for i in idx])
         lora_seeds = jnp.stack([_init_seed(lora_rng, i) for i in idx])
         stacked, stacked_lora = jax.jit(jax.vmap(functools.partial(init_layer, layer)))(seeds, lora_seeds)
@@ -408,6 +412,7 @@ def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
 def _abstract_variables(cfg: ModelConfig):
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     key = jax.random.PRNGKey(0)
+    cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
     return jax.eval_shape(lambda t: K3Model(cfg).init({"params": key, LORA_KEY: key}, t), tokens)
 
 

@@ -8,7 +8,8 @@ as separate per-expert linears (`experts.{e}.w{1,2,3}`), so this is what PEFT it
 writes for Moonshot's modules, and the 2-D per-expert MoE LoRA layout vLLM's
 `FusedMoEWithLoRA` and SGLang's MoE LoRA read for such checkpoints (their stacked 3-D
 layout is for bases whose experts are one fused parameter). A shared A ('shared_a') is
-written into every expert's lora_A.
+written into every expert's lora_A. The router biases Quantile Balancing kept updating
+(unless the run froze the router) travel as PEFT `modules_to_save` of each layer's gate.
 
 Scales: each module's alpha/r is folded into its lora_B and the config says
 `lora_alpha = r`, so every consumer applies the intended product, whatever it assumes
@@ -68,7 +69,26 @@ def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k
                 yield f"{PEFT_PREFIX}{base}.experts.{e}.{w}.lora_B.weight", np.ascontiguousarray(b[e].T)
 
 
-def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model: str = "") -> dict:
+ROUTER_MODULE = "block_sparse_moe.gate"
+ROUTER_BIAS = ("block_sparse_moe", "e_score_correction_bias")
+
+
+def router_bias_tensors(cfg: ModelConfig, params, layout: str = "k3"):
+    """Yield (name, array) of the router biases a LoRA run kept updating (Quantile
+    Balancing), in PEFT's `modules_to_save` form: the gate module's tensor under its own
+    name (PEFT saves `<module>.modules_to_save.<adapter>.x` as `<module>.x` and loads it
+    back onto the module's copy). `params` is a `.paths` / `.get` reader as in
+    `adapter_tensors`, over the run's saved (non-adapter) params."""
+    pre, _ = hf_prefixes(layout)
+    for layer in range(cfg.num_hidden_layers):
+        loc, idx = layer_location(cfg, layer)
+        if loc + ROUTER_BIAS in params.paths:
+            bias = np.asarray(params.get(loc + ROUTER_BIAS, idx), np.float32)
+            yield f"{PEFT_PREFIX}{pre}layers.{layer}.{ROUTER_MODULE}.e_score_correction_bias", bias
+
+
+def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model: str = "",
+                   modules_to_save: list[str] | None = None) -> dict:
     """PEFT's adapter_config.json for `spec` (scales folded into lora_B: lora_alpha = r)."""
     leaves = sorted({t.split("/")[-1] for t in spec.targets})
     experts = sorted(t.split("/")[-1] for t in spec.targets if is_expert_target(t))
@@ -78,7 +98,7 @@ def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model: str = "") -> di
     out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
            "r": spec.rank, "lora_alpha": spec.rank, "lora_dropout": 0.0, "bias": "none",
            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
-           "init_lora_weights": True, "modules_to_save": None,
+           "init_lora_weights": True, "modules_to_save": modules_to_save or None,
            # a regex over module names (PEFT full-matches a string target_modules)
            "target_modules": rf".*\.({'|'.join(alts)})",
            "k3jax": {"targets": sorted(spec.targets), "module_leaves": leaves, "rank": spec.rank,
@@ -98,16 +118,22 @@ def _path_regex(target: str) -> str:
 
 
 def write_adapter(out_dir, cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k3",
-                  dense_mlp_name: str = "mlp", base_model: str = "") -> dict:
+                  dense_mlp_name: str = "mlp", base_model: str = "", trained=None) -> dict:
     """adapter_config.json + adapter_model.safetensors in `out_dir` (written atomically by
-    the safetensors writer; the directory must be new). Returns {'tensors', 'bytes'}."""
+    the safetensors writer; the directory must be new). `trained` reads the run's other
+    saved params: its router biases go in as `modules_to_save`, so that base + adapter is
+    the model the run trained. Returns {'tensors', 'bytes', 'router_biases'}."""
     from k3jax.checkpoint.safetensors_io import write_safetensors
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=False)
     tensors = dict(adapter_tensors(cfg, spec, adapters, layout, dense_mlp_name))
+    biases = dict(router_bias_tensors(cfg, trained, layout)) if trained is not None else {}
+    tensors.update(biases)
     write_safetensors(out / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(adapter_config(cfg, spec, base_model), indent=2) + "\n")
-    return {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
+    config = adapter_config(cfg, spec, base_model, [ROUTER_MODULE] if biases else None)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
+            "router_biases": len(biases)}
 
 
 def delta(spec: LoraSpec, target: str, a: np.ndarray, b: np.ndarray, expert: int | None = None) -> np.ndarray:

@@ -377,11 +377,12 @@ def export_adapter(run_dir, out_dir) -> dict:
     cfg = src.k3.text
     spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
     adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
+    trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,
-                          base_model=str(src.train.get("init_from") or ""))
+                          base_model=str(src.train.get("init_from") or ""), trained=trained)
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -30,6 +30,10 @@ def run(args) -> int:
         print(f"wrote {args.hf_dir} from {r['source']}: PEFT LoRA adapter, rank {r['rank']}, "
               f"{r['tensors']:,d} tensors ({r['bytes'] / 2**20:,.1f} MiB) on {len(r['targets'])} module kinds "
               f"({', '.join(r['targets'])}); routed experts per expert (experts.E.w1/w2/w3)")
+        if r["router_biases"]:
+            print(f"  + the router biases of {r['router_biases']} layers (Quantile Balancing updated them) as "
+                  f"modules_to_save 'block_sparse_moe.gate': PEFT applies them; a server that rejects "
+                  f"modules_to_save needs a run with the router frozen, or --merge-lora")
         return 0
     r = export(args.ckpt_dir, args.hf_dir, experts_bf16=args.experts_bf16,
                max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress,

@@ -209,11 +209,20 @@ def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cf
     that a chunk's receive buffer ([rows, hidden], `ep_receive_rows`) stays within
     `RuntimeOptions.ep_buffer_mib`: dropless sizing is worst-case (every peer's pairs on
     one device), P x the mean, and the expert FFN's intermediates scale with it."""
-    budget = int(cfg.runtime.ep_buffer_mib * (1 << 20))
-    rows = ep_receive_rows(n * k, expert_shards, cfg.runtime.ep_capacity_factor)
-    if not budget or rows * hidden * itemsize <= budget:
+    budget = cfg.runtime.ep_buffer_mib * (1 << 20)
+    factor = cfg.runtime.ep_capacity_factor
+
+    def fits(m: int) -> bool:
+        return ep_receive_rows(m * k, expert_shards, factor) * hidden * itemsize <= budget
+
+    if not budget or fits(n):
         return 1
-    return min(n, -(-rows * hidden * itemsize // budget))
+    # the most tokens a chunk may hold; chunks are then evened out, never above it
+    per_token = ep_receive_rows(k, expert_shards, 0.0 if not factor else factor) * hidden * itemsize
+    m = max(1, min(n, int(budget // per_token)))
+    while m > 1 and not fits(m):
+        m -= 1
+    return -(-n // m)
 
 
 def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, weights, adapters):
@@ -376,10 +385,12 @@ class StableLatentMoE(nn.Module):
 
         def mxfp4_init(key):
             # the widened format's draw, quantized: the same seed gives the same experts
-            w = nn.unbox(init(key, shape, param_dtype(cfg)))
+            # plain unwrap: nn.unbox would constrain to the logical names under a context mesh
+            w = init(key, shape, param_dtype(cfg))
+            w = w.value if isinstance(w, nn.meta.AxisMetadata) else w
             packed, scale = quantize_mxfp4_jax(jnp.swapaxes(w, -1, -2))
-            return {"weight_packed": nn.Partitioned(packed, stored_axes),
-                    "weight_scale": nn.Partitioned(scale, stored_axes)}
+            return {"weight_packed": nn.LogicallyPartitioned(packed, stored_axes),
+                    "weight_scale": nn.LogicallyPartitioned(scale, stored_axes)}
 
         p = self.param(role, mxfp4_init)
         return MXFP4(p["weight_packed"], p["weight_scale"])

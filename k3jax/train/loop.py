@@ -200,11 +200,15 @@ def next_commands(run_dir: str, k3, tc: dict, config_path: str) -> list[str]:
              or k3.to_hf().get("quantization_config"))
     experts = "" if quant or not k3.text.num_experts else " --experts-bf16"
     prompt = shlex.quote(tc["sample_prompt"] or "Hello")
-    return [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
-            f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids",
-            f"k3jax export {run} {out}{experts}      # the released safetensors layout",
-            f"k3jax train {shlex.quote(config_path)} init_from={run} run_name={shlex.quote(str(tc['run_name']))}-2"
-            f"   # a new run from these weights"]
+    lines = [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
+             f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids"]
+    if tc["lora"]["rank"]:
+        adapter = shlex.quote(_shown(run_dir.rstrip("/") + "-adapter"))
+        return lines + [f"k3jax export {run} {adapter} --adapter            # the adapters, a PEFT directory",
+                        f"k3jax export {run} {out} --merge-lora{experts}   # folded into the base, released layout"]
+    return lines + [f"k3jax export {run} {out}{experts}      # the released safetensors layout",
+                    f"k3jax train {shlex.quote(config_path)} init_from={run} "
+                    f"run_name={shlex.quote(str(tc['run_name']))}-2   # a new run from these weights"]
 
 
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
