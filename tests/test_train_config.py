@@ -19,7 +19,18 @@ def resolve(*overrides, section=None):
     ("runtime.moe_dispatch=fast", "train.runtime.moe_dispatch: 'fast' is not one of 'dense', 'ragged', 'ep'"),
     ("runtime.kda_impl=naive", "train.runtime.kda_impl: 'naive' is not one of 'recurrent', 'chunk', 'assoc', 'pallas'"),
     ("runtime.param_dtype=fp8", "train.runtime.param_dtype: 'fp8' is not one of"),
-    ("data.tokenizer=sentencepiece", "train.data.tokenizer: 'sentencepiece' is not one of 'byte', 'tiktoken'"),
+    ("data.tokenizer=sentencepiece", "train.data.tokenizer: 'sentencepiece' is not one of 'auto', 'byte', 'tiktoken'"),
+    ("data.format=xml", "train.data.format: 'xml' is not one of 'text', 'chat'"),
+    ("data.chat.train_on=first", "train.data.chat.train_on: 'first' is not one of 'all', 'last'"),
+    ("data.chat.truncate=1", "train.data.chat.truncate: expected true or false, got 1"),
+    ("data.chat.bogus=1", "train.data.chat.bogus: unknown key"),
+    ("runtime.expert_format=fp8", "train.runtime.expert_format: 'fp8' is not one of 'bf16', 'mxfp4'"),
+    ("lora.rank=-1", "train.lora.rank: must be >= 0, got -1"),
+    ("lora.rank=true", "train.lora.rank: expected an integer, got True"),
+    ("lora.alpha=0", "train.lora.alpha: must be > 0"),
+    ("lora.expert_mode=tied", "train.lora.expert_mode: 'tied' is not one of 'per_expert', 'shared_a'"),
+    ("lora.optimizer=sgd", "train.lora.optimizer: 'sgd' is not one of 'adamw', 'muon'"),
+    ("lora.targets=q_proj", "train.lora.targets: expected a list, got 'q_proj'"),
     ("balance.method=greedy", "train.balance.method: 'greedy' is not one of 'auto', 'exact', 'hist'"),
     ("seed=abc", "train.seed: expected an integer, got 'abc'"),
     ("steps=true", "train.steps: expected an integer, got True"),          # bool is not an int
@@ -90,7 +101,7 @@ def test_schema_enums_are_what_the_code_accepts():
     from k3jax.train.step import balance_method
 
     S = tconf.SCHEMA
-    for key in ("dtype", "param_dtype", "remat", "kda_impl", "moe_dispatch"):
+    for key in ("dtype", "param_dtype", "remat", "kda_impl", "moe_dispatch", "expert_format"):
         for v in S["runtime"][key].allowed:
             assert getattr(RuntimeOptions(**{key: v}), key) == v
     cfg = load("toy")
@@ -106,6 +117,12 @@ def test_schema_enums_are_what_the_code_accepts():
     assert tokenizer_for(cfg, "byte").encode("a") == [cfg.bos_token_id, 97]
     with pytest.raises(ConfigError, match="bpe_file"):     # known, but needs its file
         tokenizer_for(cfg, "tiktoken")
+
+
+def test_chat_data_is_not_streamed():
+    with pytest.raises(ConfigError, match="train.data.loader: 'grain' streams text documents"):
+        resolve("data.loader=grain", "data.format=chat")
+    assert resolve("data.format=chat", "data.chat.thinking_effort=null")["data"]["chat"]["thinking_effort"] is None
 
 
 def test_freeze_patterns_must_match_a_param():
@@ -128,3 +145,14 @@ def test_resume_conflicts_name_the_keys():
     # a run saved before a data key existed had its default
     older = {**saved, "data": {k: v for k, v in saved["data"].items() if k != "shuffle_window"}}
     assert tconf.resume_conflicts(older, resolve("steps=40", "seed=1")) == []
+    # 'auto' picks the tokenizer a run saved before it existed named; a text run's chat settings are unused
+    assert tconf.resume_conflicts({**saved, "data": {**saved["data"], "tokenizer": "byte"}}, saved) == []
+    assert tconf.resume_conflicts(saved, resolve("steps=40", "seed=1", "data.chat.train_on=last")) == []
+    chat = resolve("steps=40", "seed=1", "data.format=chat")
+    assert [c.split(":")[0] for c in tconf.resume_conflicts(chat, resolve(
+        "steps=40", "seed=1", "data.format=chat", "data.chat.train_on=last"))] == ["train.data.chat"]
+    # a LoRA run's checkpoints hold its adapters: their shape and their base may not change
+    lora = resolve("steps=40", "seed=1", "lora.rank=4", "init_from=base")
+    got = tconf.resume_conflicts(lora, resolve("steps=40", "seed=1", "lora.rank=8", "init_from=other"))
+    assert [c.split(":")[0] for c in got] == ["train.lora.rank", "train.init_from"], got
+    assert tconf.resume_conflicts(saved, resolve("steps=40", "seed=1", "init_from=other")) == []

@@ -23,6 +23,16 @@ Vision: the `vision/` tree goes back under its `vision_tower.*` / `mm_projector.
 (`k3jax.vision.vision_names`), each tensor in the dtype it was converted from (the
 manifest's `vision_dtypes`), so an unchanged tower round-trips byte for byte.
 
+MXFP4-resident experts (`convert --expert-format mxfp4`, runs with `runtime.expert_format:
+mxfp4`) are stored as their bytes: an unchanged expert is written back as stored.
+
+LoRA runs hold adapters and router biases only; their base is the run's `init_from` (or
+its seed). `merge_lora=True` writes W + (alpha/r)·A·B for every adapted tensor, routed
+experts re-quantized to MXFP4 (compressed-tensors' rule) unless `experts_bf16`; the
+result's `requant` says how far the stored bytes are from the merged values
+(`adapters.RequantError`). Without it, a LoRA run is refused: export its adapters with
+`export_adapter` (a PEFT directory), or merge them.
+
 Streaming: tensors are produced in checkpoint order, one at a time, from slices of the
 stored leaves (only their chunks are read) and flushed into a shard file whenever the
 shard reaches `max_shard_bytes`; the output is assembled in a temporary directory and
@@ -66,6 +76,80 @@ class _Leaves:
         if leaf is None:
             leaf = self._open[path] = open_leaf(self.item_dir, self.prefix + tuple(path))
         return np.asarray((leaf[tuple(index)] if index else leaf).read().result())
+
+
+class _Tree:
+    """`_Leaves`' interface over an in-memory param tree (a LoRA run's random-init base)."""
+
+    def __init__(self, tree: dict):
+        import jax
+        self.flat = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+        self.paths = set(self.flat)
+
+    def get(self, path, index) -> np.ndarray:
+        if path not in self.flat:
+            raise K3JaxError(f"no param {'/'.join(path)}")
+        x = self.flat[path]
+        return np.asarray(x[tuple(index)] if index else x)
+
+
+class _Source:
+    """The tensors an export writes: a base's leaves (widened or MXFP4 experts) and, for a
+    merged LoRA run, its adapters folded in on read."""
+
+    def __init__(self, base, adapters=None, spec=None, cfg=None):
+        self.base, self.adapters, self.spec, self.cfg = base, adapters, spec, cfg
+        self.requant = None
+        if adapters is not None:
+            from k3jax.checkpoint.adapters import RequantError
+            self.requant = RequantError()
+
+    def _adapter(self, path):
+        """(target, path of the adapter) when `path` (a tree leaf path) is adapted."""
+        if self.adapters is None:
+            return None
+        from k3jax.layout import layer_subpath
+        module = path[:-1] if path[-1] == "kernel" else path
+        target = layer_subpath(module)
+        if target not in self.spec.targets:
+            return None
+        return target, module
+
+    def _delta(self, path, index, expert=None):
+        from k3jax.checkpoint.adapters import delta
+        hit = self._adapter(path)
+        if hit is None:
+            return None
+        target, module = hit
+        a = self.adapters.get(module + ("lora_a",), index)
+        b = self.adapters.get(module + ("lora_b",), index)
+        return delta(self.spec, target, a, b, expert)
+
+    def dense(self, path, index) -> np.ndarray:
+        """A non-expert tree slot, merged when adapted."""
+        slot = self.base.get(path, index)
+        d = self._delta(path, index)
+        return slot if d is None else (slot.astype(np.float64) + d).astype(np.float32)
+
+    def is_packed(self, e) -> bool:
+        return e.path + ("weight_packed",) in self.base.paths
+
+    def expert(self, e):
+        """(w [out, in] float or None, packed, scale or None, delta [out, in] or None): one
+        expert, as stored (packed bytes when MXFP4-resident and unchanged) or merged."""
+        idx, ex = e.index[:-1], e.index[-1]
+        d = self._delta(e.path, idx, ex)
+        if self.is_packed(e):
+            packed = self.base.get(e.path + ("weight_packed",), e.index)
+            scale = self.base.get(e.path + ("weight_scale",), e.index)
+            if d is None:
+                return None, packed, scale, None
+            w = dequantize_mxfp4_np(packed, scale, np.float64)
+        else:
+            w = np.ascontiguousarray(self.base.get(e.path, e.index).T)  # [in, out] -> [out, in]
+            if d is None:
+                return w, None, None, None
+        return w.astype(np.float64) + d.T, None, None, d.T
 
 
 class _ShardWriter:
@@ -135,7 +219,7 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
 
 
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = False, log=None) -> dict:
+           progress: bool = False, log=None, merge_lora: bool = False) -> dict:
     """Write HF_DIR from a `k3jax convert` output, a training run or one of its
     checkpoints/N. Returns the index's total_size, shard and tensor counts, the source
     (`ModelSource.describe()`) and `casts` {'float32 -> BF16': n, ...}: every tensor whose
@@ -161,7 +245,13 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         # would silently drop the vision tower
         raise K3JaxError(f"{src.path}: vision tensors in extra/ come from an older `k3jax convert`; "
                          "convert the HF directory again")
-    params = _Leaves(src.item_dir, src.prefix)
+    lora_run = src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
+    if lora_run and not merge_lora:
+        raise K3JaxError(f"{src.describe()} is a LoRA run: its checkpoints hold adapters, not a model; export "
+                         "them with --adapter (a PEFT directory) or fold them into the base with --merge-lora")
+    if merge_lora and not lora_run:
+        raise K3JaxError(f"{src.describe()}: --merge-lora needs a LoRA run (lora.rank > 0)")
+    params = _lora_source(src) if lora_run else _Source(_Leaves(src.item_dir, src.prefix))
     scales_dir = src.path / "mxfp4_scales" if src.kind == "orbax" else None
     scales = _Leaves(scales_dir) if scales_dir is not None and scales_dir.exists() else None
     entries = tensor_map(cfg, layout, src.dense_mlp_name)
@@ -178,22 +268,29 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         out = _ShardWriter(tmp, max_shard_bytes)
         bar = tqdm(total=len(entries), unit="tensor", desc=f"export {hf_dir.name}", disable=not progress)
         for e in entries:
-            slot = params.get(e.path, e.index)
             if not e.is_expert:
+                slot = params.dense(e.path, e.index)
                 shape = stored_shape(e, slot.shape, cfg, layout)
                 dtype = release_dtype(e.hf)
                 if dtype != "F32" and e.path in keep_fp32 and slot.dtype == np.float32:
                     dtype, kept = "F32", kept + 1
                 out.add(e.hf, _cast(from_tree_layout(e, slot, shape), dtype, casts))
+                bar.update(1)
+                continue
+            w, packed, scale, d = params.expert(e)
+            if experts_bf16:
+                w = dequantize_mxfp4_np(packed, scale) if w is None else w
+                out.add(f"{e.hf}.weight", _cast(w, "BF16", casts))
+            elif packed is not None:            # MXFP4-resident and unchanged: its own bytes
+                out.add(f"{e.hf}.weight_packed", packed)
+                out.add(f"{e.hf}.weight_scale", scale)
             else:
-                w = np.ascontiguousarray(slot.T)  # [in, out] -> [out, in]
-                if experts_bf16:
-                    out.add(f"{e.hf}.weight", _cast(w, "BF16", casts))
-                else:
-                    scale = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
-                    packed, scale = _pack_expert(w, scale)
-                    out.add(f"{e.hf}.weight_packed", packed)
-                    out.add(f"{e.hf}.weight_scale", scale)
+                orig = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
+                packed, scale = _pack_expert(w.astype(np.float32), None if d is not None else orig)
+                if d is not None:
+                    params.requant.add(e.hf, w, dequantize_mxfp4_np(packed, scale, np.float64), d)
+                out.add(f"{e.hf}.weight_packed", packed)
+                out.add(f"{e.hf}.weight_scale", scale)
             bar.update(1)
         if src.kind == "orbax" and (src.path / "vision").exists():
             _add_vision(out, k3, _Leaves(src.path / "vision"), src.manifest.get("vision_dtypes") or {}, casts)
@@ -209,8 +306,44 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files),
-            "source": src.describe(), "casts": casts, "kept_fp32": kept}
+    result = {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files),
+              "source": src.describe(), "casts": casts, "kept_fp32": kept}
+    if params.requant is not None and not experts_bf16:
+        result["requant"] = params.requant.summary()
+    return result
+
+
+def _lora_source(src) -> _Source:
+    """A LoRA run's export source: its base (init_from's leaves, streamed when that is a
+    k3jax checkpoint; else loaded whole) and its adapters from the run's checkpoint."""
+    from k3jax import lora
+    from k3jax.checkpoint.load import load_model_dir
+    from k3jax.model import abstract_params
+    cfg = src.k3.text
+    spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
+    adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
+    init_from = src.train.get("init_from")
+    base_src = resolve(init_from) if init_from else None
+    if base_src is not None and base_src.kind in ("orbax", "run") and not (
+            base_src.kind == "run" and (base_src.train.get("lora") or {}).get("rank")):
+        base = _Leaves(base_src.item_dir, base_src.prefix)
+    else:   # an HF directory or a random init: the base in memory (small models)
+        _, params = load_model_dir(src.path, {"param_dtype": "float32"})
+        base = _Tree({k: v for k, v in params.items() if k != "lora"})
+    # router biases come from the run: Quantile Balancing re-solved them while training
+    biases = _Leaves(src.item_dir, src.prefix)
+    return _Source(_WithRun(base, biases), adapters, spec, cfg)
+
+
+class _WithRun:
+    """A base's leaves with the run's own saved non-adapter leaves (router biases) over them."""
+
+    def __init__(self, base, run):
+        self.base, self.run = base, run
+        self.paths = base.paths | {p for p in run.paths if p[0] != "lora"}
+
+    def get(self, path, index):
+        return (self.run if path in self.run.paths else self.base).get(path, index)
 
 
 def _model_fp32_paths(cfg) -> set:
@@ -227,3 +360,33 @@ def _model_fp32_paths(cfg) -> set:
 def _has_quantization_config(hf_config: dict) -> bool:
     return bool(hf_config.get("text_config", hf_config).get("quantization_config")
                 or hf_config.get("quantization_config"))
+
+
+def export_adapter(run_dir, out_dir) -> dict:
+    """A LoRA run's adapters (its newest checkpoint, or the checkpoints/N given) as a PEFT
+    directory (`k3jax.checkpoint.adapters`). Returns {'tensors', 'bytes', 'source', 'rank',
+    'targets'}."""
+    from k3jax import lora
+    from k3jax.checkpoint.adapters import write_adapter
+    from k3jax.model import abstract_params
+
+    out_dir = local_path(out_dir, "output")
+    src = resolve(run_dir)
+    if src.kind != "run" or not (src.train.get("lora") or {}).get("rank"):
+        raise K3JaxError(f"{src.describe()}: --adapter exports a LoRA run's adapters (a run with lora.rank > 0)")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
+    cfg = src.k3.text
+    spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
+    adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
+    trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,
+                          base_model=str(src.train.get("init_from") or ""), trained=trained)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {**r, "source": src.describe(), "rank": spec.rank, "targets": sorted(spec.targets)}

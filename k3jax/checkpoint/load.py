@@ -29,7 +29,7 @@ __all__ = ["ModelSource", "resolve", "load_model_dir", "is_orbax_dir", "is_model
 
 # Runtime options a run's own train config supplies when a command loads the run (the
 # dtypes it trained in); the rest (kernels, dispatch, remat) are the caller's choice.
-_RUN_RUNTIME_KEYS = ("dtype", "param_dtype")
+_RUN_RUNTIME_KEYS = ("dtype", "param_dtype", "expert_format")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,13 @@ class ModelSource:
     @property
     def layout(self) -> str:
         return self.manifest.get("layout", self.k3.layout)
+
+    @property
+    def stored_expert_format(self) -> str:
+        """How the routed experts are saved: 'mxfp4' (packed bytes) or 'bf16' (widened)."""
+        if self.kind == "run":
+            return (self.train.get("runtime") or {}).get("expert_format") or "bf16"
+        return self.manifest.get("expert_format", "bf16")
 
     @property
     def dense_mlp_name(self) -> str:
@@ -159,7 +166,8 @@ def load_any_config(name_or_path) -> K3Config:
     return load_k3(name_or_path)
 
 
-def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision: bool = False):
+def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision: bool = False,
+                   expert_format: str | None = None):
     """(K3Config, params) from any model directory (see the module docstring).
 
     `runtime`: RuntimeOptions overrides (e.g. {'param_dtype': 'bfloat16'}); a run supplies
@@ -169,6 +177,15 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     shardings, each host reading only its shards; HF directories are read into host memory
     first (fine for small models; convert big ones first).
 
+    `expert_format` ('bf16' | 'mxfp4'; shorthand for runtime={'expert_format': ...}):
+    'mxfp4' keeps the routed experts as MXFP4 bytes (uint8 packed codes and E8M0 scales,
+    17/32 byte per value), read as stored from MXFP4 files and quantized from widened ones;
+    a checkpoint holding the other format is converted on load.
+
+    A LoRA run (its train config has lora.rank > 0) holds only its adapters and router
+    biases: the base comes from the run's `init_from` (or its seed, for a run from random
+    init) and the adapters land under params['lora'], with `cfg.runtime.lora` set.
+
     `vision`: also load the vision tower and projector, when the checkpoint has them, under
     params['vision'] (`k3jax.vision.multimodal`), in the text param dtype; with `shardings`
     they are replicated over the same mesh (0.45 B params in K3). Without, or when the
@@ -176,12 +193,23 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     are the text tree alone.
     """
     src = path if isinstance(path, ModelSource) else resolve(path)
+    if expert_format is not None:
+        runtime = {**(runtime or {}), "expert_format": expert_format}
     k3 = load_config(src, runtime)
+    if src.kind == "run" and (src.train.get("lora") or {}).get("rank"):
+        return _load_lora_run(src, k3, runtime, shardings)
     text_shardings = None if shardings is None else shardings(k3.text)
     if src.kind in ("orbax", "run"):
         from k3jax.checkpoint.orbax_io import restore_params
 
-        params = restore_params(src.item_dir, k3.text, text_shardings, prefix=src.prefix)
+        stored = src.stored_expert_format
+        if stored == k3.text.runtime.expert_format:
+            params = restore_params(src.item_dir, k3.text, text_shardings, prefix=src.prefix)
+        else:   # restored as saved, then widened or quantized onto the asked format
+            as_stored = k3.text.with_runtime(expert_format=stored)
+            params = restore_params(src.item_dir, as_stored, None if shardings is None else shardings(as_stored),
+                                    prefix=src.prefix)
+            params = convert_experts(params, k3.text.runtime.expert_format, text_shardings)
         if vision and k3.vision is not None and src.vision_dir is not None:
             from k3jax.checkpoint.orbax_io import restore_tree
             abstract = _vision_abstract(k3)
@@ -208,6 +236,86 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
             tree = jax.tree.map(jax.device_put, tree, _replicated(abstract, text_shardings))
         params["vision"] = tree
     return k3, params
+
+
+def _load_lora_run(src: ModelSource, k3: K3Config, runtime: dict | None, shardings):
+    """A LoRA run's params: its base (the run's init_from, else its seed's random init) with
+    the checkpoint's saved leaves (adapters and router biases) put over it."""
+    import jax
+    from flax import linen as nn
+
+    from k3jax import lora
+    from k3jax.checkpoint.orbax_io import restore_tree, stored_leaves
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params, init_params
+
+    base_cfg = k3.text
+    spec = lora.resolve(src.train["lora"], base_cfg, abstract_params(base_cfg))
+    cfg = base_cfg.with_runtime(lora=spec)
+    k3 = dataclasses.replace(k3, text=cfg)
+    init_from = src.train.get("init_from")
+    if init_from:
+        _, params = load_model_dir(init_from, {**src.runtime(runtime), "lora": None}, shardings)
+    else:
+        out = None if shardings is None else shardings(base_cfg)
+        params = jax.jit(lambda key: init_params(base_cfg, key), out_shardings=out)(
+            jax.random.PRNGKey(int(src.train.get("seed", 0))))
+    full = {**nn.unbox(abstract_params(cfg)), LORA_KEY: nn.unbox(abstract_adapters(cfg))}
+    n = len(src.prefix)
+    saved = {p[n:] for p in stored_leaves(src.item_dir) if p[:n] == tuple(src.prefix)}
+    abstract = _subtree(full, saved)
+    if not saved or LORA_KEY not in abstract:
+        raise K3JaxError(f"{src.describe()}: its checkpoint holds no LoRA adapters")
+    sh = None if shardings is None else _subtree(shardings(cfg), saved)
+    restored = restore_tree(src.item_dir, abstract, sh, prefix=src.prefix)
+    return k3, _overlay(params, restored)
+
+
+def _subtree(tree: dict, paths: set, prefix=()) -> dict:
+    """The part of a nested dict whose leaf paths are in `paths`."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            sub = _subtree(v, paths, prefix + (k,))
+            if sub:
+                out[k] = sub
+        elif prefix + (k,) in paths:
+            out[k] = v
+    return out
+
+
+def _overlay(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _overlay(base[k], v) if isinstance(v, dict) and k in base else v
+    return out
+
+
+def convert_experts(params, expert_format: str, shardings=None):
+    """Every routed-expert stack of `params` turned into `expert_format`: MXFP4 pairs
+    widened ('bf16', to the dtype of the tree's other matrices) or widened stacks quantized
+    ('mxfp4', compressed-tensors' rule; a stack that came from MXFP4 gets its bytes back,
+    up to the scale byte of all-zero groups, which no value records)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.ops.mxfp4 import MXFP4, dequantize_experts, quantize_mxfp4_jax
+
+    def walk(node, dtype):
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k in ("w1", "w2", "w3") and expert_format == "bf16" and isinstance(v, dict):
+                out[k] = dequantize_experts(MXFP4(v["weight_packed"], v["weight_scale"]), dtype)
+            elif k in ("w1", "w2", "w3") and expert_format == "mxfp4" and not isinstance(v, dict):
+                packed, scale = quantize_mxfp4_jax(jnp.swapaxes(v, -1, -2))
+                out[k] = {"weight_packed": packed, "weight_scale": scale}
+            else:
+                out[k] = walk(v, dtype)
+        return out
+
+    dtype = params["embed_tokens"]["embedding"].dtype
+    return jax.jit(lambda p: walk(p, dtype), out_shardings=shardings)(params)
 
 
 def _vision_abstract(k3: K3Config):

@@ -126,9 +126,11 @@ def _item_format(item_dir: Path) -> tuple[bool, bool]:
 
 
 def stored_leaves(item_dir: str | os.PathLike) -> list[tuple[str, ...]]:
-    """Tree paths of an Orbax pytree item, from its `_METADATA`."""
+    """Tree paths of an Orbax pytree item's arrays, from its `_METADATA` (None leaves, which
+    Orbax records but stores nothing for, left out: a LoRA run's frozen base)."""
     meta = json.loads((Path(item_dir) / "_METADATA").read_text())
-    return [tuple(k["key"] for k in v["key_metadata"]) for v in meta["tree_metadata"].values()]
+    return [tuple(k["key"] for k in v["key_metadata"]) for v in meta["tree_metadata"].values()
+            if v.get("value_metadata", {}).get("value_type") != "None"]
 
 
 def open_leaf(item_dir: str | os.PathLike, path: tuple[str, ...]):

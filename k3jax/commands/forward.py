@@ -20,6 +20,9 @@ def register(sub):
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk"])
     p.add_argument("--moe-dispatch", default=None, choices=["dense", "ragged", "ep"],
                    help="default: 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are initialised "
                         "sharded over it and the batch is split by its rules")
@@ -40,13 +43,14 @@ def run(args) -> int:
         mesh, rules = sharding.load_mesh(args.mesh)
     dispatch = args.moe_dispatch or ("ep" if mesh is not None and mesh.shape["expert"] > 1 else "ragged")
     from_dir = is_model_dir(args.config)
+    runtime = {"kda_impl": args.kda_impl, "moe_dispatch": dispatch, "expert_format": args.expert_format}
     if from_dir:
         shardings = None if mesh is None else (lambda c: sharding.param_shardings(c, mesh, rules))
         t = time.perf_counter()
-        k3, params = load_model_dir(args.config, {"kda_impl": args.kda_impl, "moe_dispatch": dispatch}, shardings)
+        k3, params = load_model_dir(args.config, runtime, shardings)
         cfg, load_s = k3.text, time.perf_counter() - t
     else:
-        cfg = load(args.config, kda_impl=args.kda_impl, moe_dispatch=dispatch)
+        cfg = load(args.config, **runtime)
     plan = layer_plan(cfg)
     where = (f"mesh {dict(mesh.shape)}" if mesh is not None
              else f"devices: {jax.devices()[0].platform} x{jax.device_count()}")

@@ -18,6 +18,9 @@ def register(sub):
     p.add_argument("--pixels", help="instead of --image: float .npy [num_patches, 3, P, P], reference layout")
     p.add_argument("--grids", help="with --pixels: int .npy [num_images, 3] (t, h, w) in patches")
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk", "assoc", "pallas"])
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params and tokens are sharded "
                         "over it, with 'ep' expert dispatch where its expert axis is > 1")
@@ -40,7 +43,8 @@ def run(args) -> int:
     if tokens.ndim != 2:
         raise InputError(f"{args.tokens}: token ids must be [batch, length] (or [length]), got shape {tokens.shape}")
     # fp32 params and activations: this command is the parity reference path
-    runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl}
+    runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl,
+               "expert_format": args.expert_format}
     declared = load_config(args.dir)
     tokens = check_token_ids(tokens, declared.text.vocab_size, args.tokens)   # before the int32 cast
     images = mm.images_from_args(args, declared.vision, args.dir)

@@ -1,9 +1,10 @@
 """The loop's batches: one interface over the in-memory path (data.py) and the streamed one
 (stream.py), chosen by `data.loader`.
 
-    batches = make_batches(d, path, seed, tokenizer, pad_id, process_index, process_count)
+    batches = make_batches(d, path, seed, tokenizer, k3, process_index, process_count)
     batches.batch(step)            # numpy [grad_accum, rows, seq_len] arrays for that step
     batches.local                  # True: rows of this process only; False: the global batch
+    batches.has_images             # chat data with images: batches carry 'images' (pixels, grids)
     batches.state() / .restore()   # what a checkpoint must carry to resume (None: nothing)
     batches.close()
 """
@@ -11,22 +12,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3jax.train.data import PackedDataset, read_documents
+from k3jax.train.data import PackedDataset, build_dataset
 
 
 class MemoryBatches:
     """The in-memory path (`data.loader: memory`, for corpora that fit in host memory and for
-    tests): every process packs the whole corpus and computes the global batch of a step
-    from (seed, step) alone, so nothing needs saving for a resume."""
+    tests; documents or chat conversations): every process packs the whole corpus and
+    computes the global batch of a step from (seed, step) alone, so nothing needs saving
+    for a resume."""
 
     loader = "memory"
     local = False        # batch(step) is the global batch
 
     def __init__(self, ds: PackedDataset, d: dict, seed: int):
         self.ds, self.d, self.seed = ds, d, seed
+        self.has_images = bool(getattr(ds, "has_images", False))
 
     def describe(self) -> str:
-        return (f"{self.ds.n_tokens:,d} tokens in {self.ds.n_rows} packed rows of {self.d['seq_len']}; "
+        chat = f"{self.ds.summary()}\n" if hasattr(self.ds, "summary") else ""
+        return chat + (f"{self.ds.n_tokens:,d} tokens in {self.ds.n_rows} packed rows of {self.d['seq_len']}; "
                 f"{self.d['batch_size']}x{self.d['grad_accum']} rows per step")
 
     def batch(self, step: int) -> dict:
@@ -49,10 +53,12 @@ def batch_spec(d: dict) -> dict:
             "loss_mask": (shape, np.float32)}
 
 
-def make_batches(d: dict, path: str, seed: int, tokenizer, pad_id: int, process_index: int = 0,
-                 process_count: int = 1):
-    """The batches `data.loader` names: 'memory' (MemoryBatches) or 'grain' (streamed, each
-    process reading its share: k3jax.train.stream)."""
+def make_batches(d: dict, path: str, seed: int, tokenizer, k3, process_index: int = 0,
+                 process_count: int = 1, media_dir: str | None = None):
+    """The batches `data.loader` names: 'memory' (MemoryBatches over data.build_dataset:
+    documents or chat) or 'grain' (streamed documents, each process reading its share:
+    k3jax.train.stream). `media_dir`: a checkpoint folder whose preprocessor_config.json
+    sizes chat images."""
     loader = d.get("loader", "memory")
     if loader == "grain":
         from k3jax.train.stream import StreamedBatches
@@ -60,4 +66,4 @@ def make_batches(d: dict, path: str, seed: int, tokenizer, pad_id: int, process_
     if loader != "memory":
         from k3jax.config import ConfigError
         raise ConfigError(f"config train.data.loader: {loader!r} is not one of 'memory', 'grain'")
-    return MemoryBatches(PackedDataset(read_documents(path, d["text_key"]), tokenizer, d["seq_len"], pad_id), d, seed)
+    return MemoryBatches(build_dataset(d, tokenizer, k3, path, media_dir), d, seed)

@@ -3,12 +3,19 @@
 Top level: steps, seed, output_dir, run_name, init_from, log_every, ckpt_every, keep (Orbax
 max_to_keep), async_checkpoint, peak_tflops (per device; null = measure a dense matmul at
 start), sample_prompt, sample_tokens.
-  data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('byte' |
-             'tiktoken'), bpe_file, pattern, seq_len, batch_size, grad_accum,
+  data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('auto' =
+             tiktoken when bpe_file is set, else 'byte' | 'byte' | 'tiktoken'), bpe_file
+             (tiktoken.model or the checkpoint folder holding it), pattern, seq_len,
+             batch_size, grad_accum,
              loader ('memory': the corpus packed in host memory, batches a function of
              (seed, step) | 'grain': streamed, each process reading its share, the stream's
              state saved with each checkpoint: k3jax/train/stream.py), shuffle_window
-             (grain: documents shuffled within windows of this many)
+             (grain: documents shuffled within windows of this many),
+             format ('text': documents | 'chat': JSONL conversations, k3jax.chat.packing;
+             chat is read by the memory loader),
+             chat: train_on ('all' assistant turns | 'last'), thinking, thinking_effort
+             ('low' | 'high' | 'max' | null), truncate (cut conversations longer than a row;
+             false drops them)
   optimizer: lr (Muon), adam_lr (null = lr; Moonlight's RMS matching lets them share one),
              warmup_steps, schedule ('cosine' | 'constant'), min_lr_ratio, weight_decay,
              b1, b2, eps, grad_clip, muon_beta, ns_steps, muon_rms (0.2),
@@ -18,7 +25,11 @@ start), sample_prompt, sample_tokens.
              exact_max_elements (auto picks exact while tokens·experts is at most this)
   runtime:   dtype, param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, moe_dispatch,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
-             pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`)
+             pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
+             expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
+  lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
+             targets (globs; null = k3jax.lora.DEFAULT_TARGETS), optimizer ('adamw' |
+             'muon'), lr (see k3jax/lora.py)
 
 Overrides: `steps=200`, `optimizer.lr=1e-3`, `data.path=my.jsonl`; values parse as YAML.
 
@@ -36,7 +47,8 @@ import re
 
 import yaml
 
-from k3jax.config import DTYPES, KDA_IMPLS, MOE_DISPATCHES, REMAT_POLICIES, ConfigError
+from k3jax.config import (DTYPES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES, MOE_DISPATCHES, REMAT_POLICIES,
+                          ConfigError)
 
 SCHEDULES = ("cosine", "constant")
 
@@ -44,9 +56,10 @@ DEFAULTS = {
     "steps": 100, "seed": 0, "output_dir": "runs", "run_name": "run", "init_from": None,
     "log_every": 10, "ckpt_every": 50, "keep": 3, "async_checkpoint": True, "peak_tflops": None,
     "sample_prompt": "The ", "sample_tokens": 48,
-    "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "byte", "bpe_file": None,
+    "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "auto", "bpe_file": None,
              "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1,
-             "loader": "memory", "shuffle_window": 1024},
+             "loader": "memory", "shuffle_window": 1024, "format": "text",
+             "chat": {"train_on": "all", "thinking": True, "thinking_effort": "max", "truncate": True}},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -54,7 +67,10 @@ DEFAULTS = {
     "balance": {"enabled": True, "method": "auto", "bins": 1000, "sweeps": 6,
                 "exact_max_elements": 1 << 22},
     "runtime": {"dtype": "float32", "param_dtype": "float32", "remat": "none",
-                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0},
+                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0,
+                "expert_format": "bf16"},
+    "lora": {"rank": 0, "alpha": None, "expert_rank": None, "expert_mode": "per_expert",
+             "targets": None, "optimizer": "adamw", "lr": None},
 }
 
 
@@ -176,10 +192,12 @@ SCHEMA = {
     "init_from": _optional(_str()), "log_every": _int(1), "ckpt_every": _int(1), "keep": _int(1),
     "async_checkpoint": _bool, "peak_tflops": _optional(_float(above=0)),
     "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0),
-    "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("byte", "tiktoken"),
+    "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("auto", "byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
-             "shuffle_window": _int(0)},
+             "shuffle_window": _int(0), "format": _one_of("text", "chat"),
+             "chat": {"train_on": _one_of("all", "last"), "thinking": _bool,
+                      "thinking_effort": _one_of("low", "high", "max", None), "truncate": _bool}},
     # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
     "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),
@@ -191,7 +209,11 @@ SCHEMA = {
                 "sweeps": _int(1), "exact_max_elements": _int(1)},
     "runtime": {"dtype": _one_of(*DTYPES), "param_dtype": _one_of(*DTYPES), "remat": _one_of(*REMAT_POLICIES),
                 "kda_impl": _one_of(*KDA_IMPLS), "moe_dispatch": _one_of(*MOE_DISPATCHES),
-                "ep_capacity_factor": _float(0)},
+                "ep_capacity_factor": _float(0), "expert_format": _one_of(*EXPERT_FORMATS)},
+    # k3jax.lora.resolve checks what needs the model (targets that match nothing, ...)
+    "lora": {"rank": _int(0), "alpha": _optional(_float(above=0)), "expert_rank": _optional(_int(1)),
+             "expert_mode": _one_of(*LORA_EXPERT_MODES), "targets": _optional(_list_of(_str())),
+             "optimizer": _one_of("adamw", "muon"), "lr": _optional(_float(0))},
 }
 
 
@@ -254,6 +276,9 @@ def resolve(section: dict, overrides: dict | None = None) -> dict:
     cfg = _merge(_merge(DEFAULTS, section or {}, "", problems), overrides or {}, "", problems)
     if not problems:
         _check(cfg, SCHEMA, "", problems)
+    if not problems and cfg["data"]["format"] == "chat" and cfg["data"]["loader"] != "memory":
+        problems.append(f"train.data.loader: {cfg['data']['loader']!r} streams text documents; "
+                        "format 'chat' is read by the 'memory' loader")
     if problems:
         raise ConfigError("config " + "; ".join(problems))
     return cfg
@@ -273,16 +298,28 @@ def check_freeze(patterns, param_paths) -> None:
 # ---------------------------------------------------------------------------------------
 # Resuming: what may not change between a run's checkpoints and the config resuming them
 # ---------------------------------------------------------------------------------------
+def _effective_data(d: dict) -> dict:
+    """A data section as it reads the corpus: keys a saved run lacks take the default they
+    had, tokenizer 'auto' becomes the one it picks, and the chat settings of a text run
+    (unused) are left out."""
+    d = {**DEFAULTS["data"], **d}
+    if d["tokenizer"] == "auto":
+        d["tokenizer"] = "tiktoken" if d["bpe_file"] else "byte"
+    if d["format"] != "chat":
+        d.pop("chat")
+    return d
+
+
 def resume_conflicts(saved: dict, new: dict) -> list[str]:
     """Keys of the train config whose change would make a resumed run something else:
-    the data stream (data.*, seed) and `steps`, over which the cosine schedule is laid out
+    the data stream (data.*, seed), `steps`, over which the cosine schedule is laid out
     (a changed steps= would make the learning rate jump; only a run that is constant before
-    and after may change it). Each entry reads 'key: old -> new'."""
+    and after may change it), and a LoRA run's adapters (lora.*) and base (init_from: its
+    checkpoints hold only the adapters). Each entry reads 'key: old -> new'."""
     out = []
-    for key in sorted(set(saved.get("data", {})) | set(new["data"])):
-        # a key the saved run lacks was added since: that run had its default
-        a = saved.get("data", {}).get(key, DEFAULTS["data"].get(key))
-        b = new["data"].get(key)
+    a_data, b_data = _effective_data(saved.get("data", {})), _effective_data(new["data"])
+    for key in sorted(set(a_data) | set(b_data)):
+        a, b = a_data.get(key), b_data.get(key)
         if a != b:
             out.append(f"train.data.{key}: {a!r} -> {b!r}")
     if saved.get("seed") != new["seed"]:
@@ -291,4 +328,10 @@ def resume_conflicts(saved: dict, new: dict) -> list[str]:
     if saved.get("steps") != new["steps"] and schedules != {"constant"}:
         out.append(f"train.steps: {saved.get('steps')!r} -> {new['steps']!r} (the learning-rate schedule is "
                    f"laid out over steps: it would jump)")
+    a_lora, b_lora = {**DEFAULTS["lora"], **(saved.get("lora") or {})}, new["lora"]
+    for key in sorted(b_lora):
+        if a_lora.get(key) != b_lora[key]:
+            out.append(f"train.lora.{key}: {a_lora.get(key)!r} -> {b_lora[key]!r}")
+    if (a_lora["rank"] or b_lora["rank"]) and saved.get("init_from") != new["init_from"]:
+        out.append(f"train.init_from: {saved.get('init_from')!r} -> {new['init_from']!r} (a LoRA run's base)")
     return out

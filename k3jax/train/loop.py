@@ -12,20 +12,20 @@ naming the keys; config.yaml is written with the first checkpoint this run saves
 always describes the checkpoints; a write that fails for lack of disk stops the run at once
 with one message naming the last good checkpoint.
 
-Failure handling: SIGTERM (preemption) finishes the current step, saves, and returns 0; a
-non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
-checkpoint is the last good state (return code 3). `kill -9` loses at most the steps since
-the last checkpoint: a rerun resumes from it and, since batches depend only on (seed, step)
-(or, streamed, on the position saved with the checkpoint) and the step is deterministic,
-logs the same losses; metrics.jsonl lines past the resumed
-step are dropped first so the file reads as one run.
+Failure handling: SIGTERM (preemption) to any process: all processes train on to the step
+they agree on (preemption.py), save it together and return PREEMPTED (42), a code
+schedulers restart a job on. A non-finite loss or gradient norm stops *before* that update
+is checkpointed, so the newest checkpoint is the last good state (return code 3). `kill -9`
+loses at most the steps since the last checkpoint: a rerun resumes from it and, since
+batches depend only on (seed, step) (or, streamed, on the position saved with the
+checkpoint) and the step is deterministic, logs the same losses; metrics.jsonl lines past
+the resumed step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 
@@ -35,8 +35,9 @@ import numpy as np
 
 from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, checkpoint_steps
 from k3jax.config import CONFIG_DIR, ConfigError, load_k3
+from k3jax.distributed import barrier
 from k3jax.errors import RunDirError
-from k3jax.train import config as tconf, rundir
+from k3jax.train import config as tconf, preemption, rundir
 from k3jax.train.batches import batch_spec, make_batches
 
 
@@ -51,17 +52,30 @@ def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
-def flops_per_token(params, k_over_e: float) -> float:
-    """6·(activated params) per token for forward+backward: every weight except the
-    embedding lookup, routed experts at k/E. Attention-score FLOPs are left out, so MFU here
-    is a slight under-estimate."""
+def flops_per_token(params, k_over_e: float, groups=None, top_k: int = 1) -> float:
+    """Model FLOPs per token for forward+backward: 2 per weight value forward, 2 more for
+    the input gradient and, for trained weights, 2 for their own gradient (6 for a fully
+    trained model; 4 for a frozen base under LoRA). Every weight except the embedding
+    lookup counts, routed experts (and their per-expert adapters) at k/E, a shared expert A
+    ('shared_a') k times; MXFP4 experts by
+    their values (two per packed byte, scales not counted). Attention-score FLOPs are left
+    out, so MFU here is a slight under-estimate."""
+    from k3jax.layout import is_scanned
+    from k3jax.train.muon import TRAINED, path_str
+    group_of = {} if groups is None else {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
     total = 0.0
     for p, x in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(k, "key", k)) for k in p]
-        if keys[0] == "embed_tokens":
+        if keys[0] == "embed_tokens" or keys[-1] == "weight_scale":
             continue
-        total += x.size * (k_over_e if keys[-1] in ("w1", "w2", "w3") else 1.0)
-    return 6.0 * total
+        values = x.size * (2 if keys[-1] == "weight_packed" else 1)
+        expert = "block_sparse_moe" in keys and any(k in ("w1", "w2", "w3") for k in keys[-2:])
+        # a shared A ('shared_a') has no expert axis: each of a token's k pairs goes through it
+        shared_a = expert and keys[-1] == "lora_a" and x.ndim == 2 + is_scanned(keys[1:])
+        trained = groups is None or group_of.get(path_str(p)) in TRAINED
+        scale = top_k if shared_a else k_over_e if expert else 1.0
+        total += values * scale * (6.0 if trained else 4.0)
+    return total
 
 
 class _Progress:
@@ -80,9 +94,25 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _initial_params(cfg, tc, key, mesh=None):
+def _initial_params(cfg, tc, key, mesh=None, vision=None):
     """Params from `init_from` or a fresh init; with a mesh they are born sharded (restored
-    shard by shard, or initialised under jit with out-shardings), never whole on one host."""
+    shard by shard, or initialised under jit with out-shardings), never whole on one host.
+    `vision` (a VisionConfig, for data with images): the vision tower's params under 'vision'.
+    With LoRA, fresh adapters (their own random stream) join a loaded base."""
+    from k3jax.model import LORA_KEY, init_params
+    params = _base_params(cfg, tc, key, mesh, vision)
+    if cfg.runtime.lora is not None and LORA_KEY not in params:
+        out = None
+        if mesh is not None:
+            from k3jax import sharding
+            out = sharding.param_shardings(cfg, *mesh)[LORA_KEY]
+        params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
+    return params
+
+
+def _base_params(cfg, tc, key, mesh=None, vision=None):
+    if vision is not None:
+        return _multimodal_params(cfg, tc, key, mesh, vision)
     shardings = None
     if mesh is not None:
         from k3jax import sharding
@@ -99,7 +129,21 @@ def _initial_params(cfg, tc, key, mesh=None):
     return init_params(cfg, key)
 
 
-def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
+def _multimodal_params(cfg, tc, key, mesh, vision):
+    if mesh is not None:
+        raise ValueError("training on images runs on one device for now: drop --mesh, or the images from the data")
+    if tc["init_from"]:
+        from k3jax.checkpoint.load import load_model_dir
+        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], vision=True)
+        if "vision" not in params:
+            raise ValueError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
+                             f"tower weights")
+        return params
+    from k3jax.vision.multimodal import init_multimodal_params
+    return init_multimodal_params(cfg, vision, key)
+
+
+def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
     """(TrainState born sharded, the step jitted with that state's shardings pinned in and out).
 
     Pinned so the step compiles once: left to propagation, the first call sees the state as
@@ -111,13 +155,19 @@ def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.train.step import TrainState
+    from k3jax.train.muon import trained_mask
+    from k3jax.train.step import opt_init, split_trained
     replicated = NamedSharding(mesh[0], P())
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    opt_sh = jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract).compile().output_shardings
+
+    def first_update(p):
+        t = split_trained(p, trained_mask(groups))[0]
+        return tx.update(f32(t), opt_init(tx, p, groups), t)[1]
+    opt_sh = jax.jit(first_update).lower(abstract).compile().output_shardings
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
-    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
                     out_shardings=state_sh)(params)
 
     def sharded_train_step(state, batch):
@@ -127,14 +177,12 @@ def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
     return state, step
 
 
-def _barrier(name: str):
-    """Every process waits here at the coordinator (no device collective). A process's first
-    collective over a new group of devices gives its peers only 30 s to join on CPU (gloo),
-    less than the skew that compiling the step or initialising can leave between processes."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed   # jax has no public barrier on the coordinator's client
-    distributed.global_state.client.wait_at_barrier(f"k3jax_{name}", 60 * 60 * 1000)
+def _with_lora(cfg, tc):
+    """`cfg` with the train config's `lora:` section resolved onto it (k3jax.lora)."""
+    from k3jax import lora
+    from k3jax.model import abstract_params
+    spec = lora.resolve(tc["lora"], cfg, abstract_params(cfg)) if tc["lora"]["rank"] else None
+    return cfg.with_runtime(lora=spec) if spec is not None else cfg
 
 
 def _data_path(path: str) -> str:
@@ -163,11 +211,15 @@ def next_commands(run_dir: str, k3, tc: dict, config_path: str) -> list[str]:
              or k3.to_hf().get("quantization_config"))
     experts = "" if quant or not k3.text.num_experts else " --experts-bf16"
     prompt = shlex.quote(tc["sample_prompt"] or "Hello")
-    return [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
-            f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids",
-            f"k3jax export {run} {out}{experts}      # the released safetensors layout",
-            f"k3jax train {shlex.quote(config_path)} init_from={run} run_name={shlex.quote(str(tc['run_name']))}-2"
-            f"   # a new run from these weights"]
+    lines = [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
+             f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids"]
+    if tc["lora"]["rank"]:
+        adapter = shlex.quote(_shown(run_dir.rstrip("/") + "-adapter"))
+        return lines + [f"k3jax export {run} {adapter} --adapter            # the adapters, a PEFT directory",
+                        f"k3jax export {run} {out} --merge-lora{experts}   # folded into the base, released layout"]
+    return lines + [f"k3jax export {run} {out}{experts}      # the released safetensors layout",
+                    f"k3jax train {shlex.quote(config_path)} init_from={run} "
+                    f"run_name={shlex.quote(str(tc['run_name']))}-2   # a new run from these weights"]
 
 
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
@@ -177,7 +229,7 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    m, rules = sharding.load_mesh(mesh)
+    m, rules = sharding.load_mesh(sharding.preset_for(mesh, "train"))
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
 
@@ -186,10 +238,12 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     k3 = load_k3(config_path)
     tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
+    say = log                             # what every process reports (its preemption save)
     log = log if main else (lambda *_: None)
     cfg = k3.text.with_runtime(**tc["runtime"])
     if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
+    cfg = _with_lora(cfg, tc)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     _preflight(cfg, tc)
     rundir.make_dirs(run_dir)
@@ -205,7 +259,9 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         return 0
     # one run per directory: process 0 holds the lock (the other processes write no run files)
     with rundir.RunLock(run_dir, log) if main else contextlib.nullcontext():
-        return _train(k3, cfg, tc, run_dir, config_path, main, log, mesh)
+        # as early as possible: a SIGTERM from here on resolves to a step this run will reach
+        preemption.begin(saved[-1] if saved else 0)
+        return _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh)
 
 
 def _preflight(cfg, tc) -> None:
@@ -243,33 +299,41 @@ def _io(what: str, fn, *args, **kwargs):
         raise
 
 
-def _train(k3, cfg, tc, run_dir, config_path, main, log, mesh) -> int:
+def _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
     from k3jax.tokenizer import tokenizer_for
 
     d = tc["data"]
-    tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
-    batches = make_batches(d, _data_path(d["path"]), tc["seed"], tok, cfg.pad_token_id,
-                           jax.process_index(), jax.process_count())
+    tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
+    # init_from, where given, is also the folder whose preprocessor_config.json sizes images
+    batches = make_batches(d, _data_path(d["path"]), tc["seed"], tok, k3, jax.process_index(),
+                           jax.process_count(), media_dir=tc["init_from"])
     log(f"data: {batches.describe()}")
     try:
-        return _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok)
+        return _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok)
     finally:
         batches.close()
 
 
-def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) -> int:
+def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok) -> int:
     import orbax.checkpoint as ocp
 
     from k3jax.train import muon, step as tstep
 
     d = tc["data"]
+    vision = k3.vision if batches.has_images else None   # chat data with images
 
     t0 = time.perf_counter()
-    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
-    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
-    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh, vision)
+    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
+                                      tc["lora"] if cfg.runtime.lora is not None else None)
+    if cfg.runtime.lora is not None:
+        n = sum(x.size for x in jax.tree.leaves(params["lora"]))
+        log(f"lora: rank {cfg.runtime.lora.rank}, {len(cfg.runtime.lora.targets)} projections per layer kind, "
+            f"{n:,d} adapter params trained; the base is frozen")
+    train_step = tstep.make_train_step(cfg, tc, tx, groups, **({} if vision is None else {
+        "vision": vision, "media_pad_id": tok.token_id("<|media_pad|>")}))
     if mesh is None:
-        state = tstep.init_state(params, tx)
+        state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
     else:
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -284,20 +348,22 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
             # hands over only the slices its own devices hold
             place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
                                      for k, v in b.items()}
-        state, train_step = _sharded_state_and_step(mesh, params, tx, train_step, rows)
+        state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
 
     if main:   # under the lock, before any process saves
         rundir.remove_unfinished_checkpoints(f"{run_dir}/{RUN_CHECKPOINTS}", log)
-    _barrier("initialised")   # Orbax's first directory sync is a device collective
+    barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(f"{run_dir}/{RUN_CHECKPOINTS}", options=opts)
     latest = mgr.latest_step()
     if latest is not None:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        # only what a checkpoint holds (a LoRA run: its adapters and router biases, step.checkpoint_view)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
+        state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
+                                           groups)
         if batches.state() is not None:
             batches.restore(rundir.read_data_state(run_dir, latest, jax.process_index()))
         log(f"resumed from step {latest} ({run_dir}/checkpoints)")
@@ -311,12 +377,12 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
         train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
                                               for k, (shape, dtype) in batch_spec(d).items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
-        _barrier("compiled")
+        barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
-    stop = {"sigterm": False}
-    prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    watch = preemption.PreemptionWatch()
     tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
-    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1))
+    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), groups,
+                          cfg.num_experts_per_token or 1)
     peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
     bar = _Progress(tc["steps"])
     rc, last_loss, t_log, steps_since, step = 0, None, time.perf_counter(), 0, start
@@ -335,7 +401,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
         if data_state is not None:   # before the checkpoint: a checkpoint never lacks it
             _io("data state", rundir.write_data_state, run_dir, step, jax.process_index(), data_state)
         issued.append(step)
-        _io("checkpoint", mgr.save, step, args=ocp.args.StandardSave(state))
+        _io("checkpoint", mgr.save, step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
         if data_state is not None and main:
             rundir.prune_data_state(run_dir, set(mgr.all_steps()) | {step})
 
@@ -379,10 +445,11 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
                         f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
                     t_log, steps_since = time.perf_counter(), 0
-                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or stop["sigterm"]:
+                preempted = watch.reached(step)   # every step, on every process
+                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:
                     save(step, state)
-                if stop["sigterm"]:
-                    log(f"SIGTERM: saved step {step}; exiting cleanly")
+                if preempted:
+                    rc = preemption.PREEMPTED
                     break
         handled = True
     except _StorageFailure as f:
@@ -397,7 +464,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
                     failure = _StorageFailure("checkpoint", e)
                 elif handled and failure is None:
                     raise
-        signal.signal(signal.SIGTERM, prev)
+        watch.close()
         bar.close()
     if failure is not None:
         good = checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}")
@@ -409,16 +476,24 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, log, mesh, batches, tok) 
         raise RunDirError(f"{run_dir}: writing the {what} failed ({rundir.storage_reason(failure.error)}); "
                           f"training stopped at step {step}. Last good checkpoint: {last}. "
                           "Free space and rerun the same command to resume from it")
-    if rc == 0 and not stop["sigterm"] and last_loss is not None:
+    if rc == preemption.PREEMPTED:
+        say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
+            f"exit code {rc}: rerun the same command to resume")
+    if rc == 0 and last_loss is not None:
         log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
             f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
         if tc["sample_tokens"] and jax.process_count() > 1:
             log("sample: skipped (the end-of-run sample runs single-process only)")
+        elif tc["sample_tokens"] and d["format"] == "chat":
+            from k3jax.chat.generation import sample_reply
+            reply = sample_reply(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"],
+                                 thinking=d["chat"]["thinking"], thinking_effort=d["chat"]["thinking_effort"])
+            log(f"sample reply to {tc['sample_prompt']!r}: {reply}")
         elif tc["sample_tokens"]:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
-    if rc == 0 and not stop["sigterm"]:
+    if rc == 0:
         _log_next(log, run_dir, k3, tc, config_path)
     return rc
 

@@ -238,6 +238,7 @@ class StreamedBatches:
 
     loader = "grain"
     local = True         # batch(step) holds this process's rows only
+    has_images = False   # streamed text documents
 
     def __init__(self, d: dict, seed: int, tokenizer, process_index: int = 0, process_count: int = 1,
                  unit_bytes: int = UNIT_BYTES, path: str | None = None):
