@@ -131,3 +131,16 @@ def test_a_missing_optional_package_names_its_extra(monkeypatch):
     with pytest.raises(MissingDependency, match=r"pip install 'k3jax\[tokenizer\]'") as e:
         TiktokenTokenizer("tiktoken.model", vocab_size=10, bos_id=1, eos_id=2)
     assert isinstance(e.value, ImportError) and isinstance(e.value, K3JaxError)
+
+
+def test_chat_input_errors_are_one_line(tmp_path, capsys):
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": 3}\n')
+    err = one_line_error(capsys, "render-chat", str(rows))
+    assert f"{rows}:2" in err and "non-empty 'messages' list" in err
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}\n')
+    assert "no tool name" in one_line_error(capsys, "render-chat", str(rows))
+    msgs = tmp_path / "m.json"
+    msgs.write_text('[{"role": "user",\n "content": }]')
+    err = one_line_error(capsys, "generate", str(FIXTURES / "fixture_a"), "--messages", str(msgs))
+    assert f"--messages {msgs}: not valid JSON" in err and "line 2" in err

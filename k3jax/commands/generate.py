@@ -26,6 +26,8 @@ import contextlib
 import json
 import sys
 
+from k3jax.errors import InputError
+
 
 def register(sub):
     p = sub.add_parser("generate", help="prefill + cached decode; streams text or writes generated ids")
@@ -90,7 +92,7 @@ def run(args) -> int:
     import numpy as np
 
     from k3jax.commands import atomic_write, output_path
-    from k3jax.errors import InputError, check_token_ids
+    from k3jax.errors import check_token_ids
     from k3jax.infer.generate import generate
     from k3jax.infer.sampling import SamplingParams
     from k3jax.vision.multimodal import load_npy
@@ -185,23 +187,23 @@ def _read_chat(args):
 
     from k3jax.chat import user_images
     if args.image:
-        raise ValueError("--messages carries its images in the user messages; drop --image")
+        raise InputError("--messages carries its images in the user messages; drop --image")
 
     def read(path, what):
         try:
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise InputError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     conv = read(args.messages, "--messages")
     tools = conv.get("tools") if isinstance(conv, dict) else None
     messages = conv.get("messages") if isinstance(conv, dict) else conv
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"--messages {args.messages}: expected a non-empty list of messages or {{'messages': [...]}}")
+        raise InputError(f"--messages {args.messages}: expected a non-empty list of messages or {{'messages': [...]}}")
     if args.tools:
         tools = read(args.tools, "--tools")
         if not isinstance(tools, list):
-            raise ValueError(f"--tools {args.tools}: expected a list of tool declarations")
+            raise InputError(f"--tools {args.tools}: expected a list of tool declarations")
     return messages, tools, user_images(messages, os.path.dirname(os.path.abspath(args.messages)), args.messages)
 
 
@@ -214,7 +216,7 @@ def _chat_tokenizer(args, k3):
     if path:
         return tokenizer_for(k3, "tiktoken", path)
     if k3.text.vocab_size > 512:
-        raise ValueError(f"--messages needs the tokenizer: {args.model_dir} holds no tiktoken.model; pass --tokenizer")
+        raise InputError(f"--messages needs the tokenizer: {args.model_dir} holds no tiktoken.model; pass --tokenizer")
     return ByteTokenizer.for_config(k3)
 
 

@@ -131,13 +131,13 @@ def _base_params(cfg, tc, key, mesh=None, vision=None):
 
 def _multimodal_params(cfg, tc, key, mesh, vision):
     if mesh is not None:
-        raise ValueError("training on images runs on one device for now: drop --mesh, or the images from the data")
+        raise ConfigError("training on images runs on one device for now: drop --mesh, or the images from the data")
     if tc["init_from"]:
         from k3jax.checkpoint.load import load_model_dir
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], vision=True)
         if "vision" not in params:
-            raise ValueError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
-                             f"tower weights")
+            raise ConfigError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
+                              f"tower weights")
         return params
     from k3jax.vision.multimodal import init_multimodal_params
     return init_multimodal_params(cfg, vision, key)
