@@ -362,7 +362,7 @@ def _has_quantization_config(hf_config: dict) -> bool:
                 or hf_config.get("quantization_config"))
 
 
-def export_adapter(run_dir, out_dir) -> dict:
+def export_adapter(run_dir, out_dir, log=None) -> dict:
     """A LoRA run's adapters (its newest checkpoint, or the checkpoints/N given) as a PEFT
     directory (`k3jax.checkpoint.adapters`). Returns {'tensors', 'bytes', 'source', 'rank',
     'targets'}."""
@@ -380,7 +380,8 @@ def export_adapter(run_dir, out_dir) -> dict:
     spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
     adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
     trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    remove_stale_temps(out_dir, log)
+    tmp = temp_sibling(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,

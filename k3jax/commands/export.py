@@ -26,7 +26,7 @@ def run(args) -> int:
     from k3jax.checkpoint.export import export, export_adapter
 
     if args.adapter:
-        r = export_adapter(args.ckpt_dir, args.hf_dir)
+        r = export_adapter(args.ckpt_dir, args.hf_dir, log=print)
         print(f"wrote {args.hf_dir} from {r['source']}: PEFT LoRA adapter, rank {r['rank']}, "
               f"{r['tensors']:,d} tensors ({r['bytes'] / 2**20:,.1f} MiB) on {len(r['targets'])} module kinds "
               f"({', '.join(r['targets'])}); routed experts per expert (experts.E.w1/w2/w3)")
