@@ -67,6 +67,8 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
 
 KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
 MOE_DISPATCHES = ("dense", "ragged", "ep")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_FORMATS = ("bf16", "mxfp4")
 LORA_EXPERT_MODES = ("per_expert", "shared_a")
 
@@ -145,13 +147,13 @@ class RuntimeOptions:
                self.attention_q_block, "must be a non-negative integer")
         _check(self.ep_capacity_factor >= 0, "ep_capacity_factor", self.ep_capacity_factor, "must be >= 0")
         _check(self.ep_buffer_mib >= 0, "ep_buffer_mib", self.ep_buffer_mib, "must be >= 0")
-        _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
+        _check(self.remat in REMAT_POLICIES, "remat", self.remat, f"expected one of {REMAT_POLICIES}")
         _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
                f"expected one of {EXPERT_FORMATS}")
         _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
                "expected a LoraSpec (resolve a train config's lora: section with k3jax.lora)")
         for key in ("dtype", "param_dtype"):
-            _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))
+            _check(getattr(self, key) in DTYPES, key, getattr(self, key), f"expected one of {DTYPES}")
 
 
 def _check(ok: bool, key: str, value: Any, why: str = "invalid value"):
@@ -500,13 +502,29 @@ def _read_json_or_dict(path_or_dict) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path) as f:
-        if path.endswith((".yaml", ".yml")):
-            d = yaml.safe_load(f)
-        else:
-            d = json.load(f)
+        text = f.read()
+    d = parse_yaml(text, path) if path.endswith((".yaml", ".yml")) else parse_json(text, path)
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: a config must be a mapping, got {type(d).__name__}")
     return d
+
+
+def parse_yaml(text: str, path: str):
+    """YAML with syntax errors reported as `path:line:column: ...` (one line)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
+
+
+def parse_json(text: str, path: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: JSON syntax error: {e.msg}") from None
 
 
 def preset_path(name: str) -> str:

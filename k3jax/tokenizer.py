@@ -21,6 +21,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from k3jax.config import ConfigError
+
 # K3's XTML markers and image tokens (CHAT_FORMAT.md §1, §3).
 END_OF_MSG, OPEN, CLOSE, SEP = "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = ("<|media_begin|>", "<|media_content|>", "<|media_end|>",
@@ -95,7 +97,7 @@ class ByteTokenizer:
         for name in ("bos_id", "eos_id", "pad_id", "media_pad_id"):
             v = getattr(self, name)
             if v is not None and not 256 <= v < self.vocab_size:
-                raise ValueError(f"{name}={v}: special ids must lie in [256, vocab_size={self.vocab_size})")
+                raise ConfigError(f"{name}={v}: special ids must lie in [256, vocab_size={self.vocab_size})")
         specials = {"[BOS]": self.bos_id, "[EOS]": self.eos_id, "[PAD]": self.pad_id}
         if self.media_pad_id is not None:
             specials[MEDIA_PAD] = self.media_pad_id
@@ -190,11 +192,9 @@ class TiktokenTokenizer:
     def __init__(self, bpe_file: str, *, vocab_size: int | None = None, bos_id: int | None = None,
                  eos_id: int | None = None, pad_id: int | None = None,
                  special_names: dict[int, str] | None = None, pattern: str | None = None):
-        try:
-            import tiktoken
-            from tiktoken.load import load_tiktoken_bpe
-        except ImportError as e:  # a clear message instead of a bare ModuleNotFoundError
-            raise ImportError("the real-vocabulary tokenizer needs `pip install tiktoken`") from e
+        from k3jax.errors import require
+        tiktoken = require("tiktoken", "tokenizer", "the real vocabulary's tokenizer (tokenizer: tiktoken)")
+        from tiktoken.load import load_tiktoken_bpe
         bpe_file = os.fspath(bpe_file)
         if os.path.isdir(bpe_file):
             bpe_file = os.path.join(bpe_file, "tiktoken.model")
@@ -204,20 +204,20 @@ class TiktokenTokenizer:
         n_base = len(ranks)
         vocab_size = n_base + 256 if vocab_size is None else vocab_size
         if n_base > vocab_size:
-            raise ValueError(f"{bpe_file}: {n_base} BPE ranks exceed vocab_size={vocab_size}")
+            raise ConfigError(f"{bpe_file}: {n_base} BPE ranks exceed vocab_size={vocab_size}")
         names = {n_base + k: t["name"] for k, t in enumerate(k3_special_tokens())
                  if not t["name"].startswith("<|reserved_token_")}
         names.update(special_names or {})
         specials = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, vocab_size)}
         if len(specials) != vocab_size - n_base:
-            raise ValueError(f"{bpe_file}: special token names are not unique")
+            raise ConfigError(f"{bpe_file}: special token names are not unique")
         default = {"bos_id": "[BOS]", "eos_id": END_OF_MSG, "pad_id": "[PAD]"}
         given = {"bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id}
         for name, i in given.items():
             if i is None:
                 given[name] = i = specials.get(default[name])
             if i is not None and not n_base <= i < vocab_size:
-                raise ValueError(f"{name}={i}: special ids must lie in [{n_base}, {vocab_size})")
+                raise ConfigError(f"{name}={i}: special ids must lie in [{n_base}, {vocab_size})")
         self._enc = tiktoken.Encoding(name="k3jax_bpe", pat_str=pattern or self.DEFAULT_PATTERN,
                                       mergeable_ranks=ranks, special_tokens=specials)
         self.n_base, self.vocab_size, self.specials = n_base, vocab_size, specials
@@ -268,8 +268,8 @@ def tokenizer_for(cfg, kind: str = "auto", bpe_file: str | None = None, pattern:
         return ByteTokenizer.for_config(cfg)
     if kind == "tiktoken":
         if not bpe_file:
-            raise ValueError("tokenizer 'tiktoken' needs data.bpe_file (the checkpoint's tiktoken.model)")
+            raise ConfigError("tokenizer 'tiktoken' needs data.bpe_file (the checkpoint's tiktoken.model)")
         text = getattr(cfg, "text", cfg)
         return TiktokenTokenizer(bpe_file, vocab_size=text.vocab_size, bos_id=text.bos_token_id,
                                  eos_id=text.eos_token_id, pad_id=text.pad_token_id, pattern=pattern)
-    raise ValueError(f"unknown tokenizer {kind!r} (expected 'auto', 'byte' or 'tiktoken')")
+    raise ConfigError(f"unknown tokenizer {kind!r} (expected 'auto', 'byte' or 'tiktoken')")

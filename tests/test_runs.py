@@ -35,10 +35,10 @@ def train(cfg, *overrides, cache, timeout=600):
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     cfg = write_variant(str(d / "tiny.yaml"), layers=("kda",), first_k_dense_replace=0, train=TRAIN)
-    r = train(cfg, f"output_dir={d}", "run_name=r", "runtime.param_dtype=bfloat16",
-              cache=tmp_path_factory.getbasetemp() / "xla")
+    cache = tmp_path_factory.getbasetemp() / "xla"
+    r = train(cfg, f"output_dir={d}", "run_name=r", "runtime.param_dtype=bfloat16", cache=cache)
     assert r.returncode == 0, r.stdout + r.stderr
-    return SimpleNamespace(dir=d / "r", config=cfg, log=r.stdout.splitlines(), root=d)
+    return SimpleNamespace(dir=d / "r", config=cfg, log=r.stdout.splitlines(), root=d, cache=cache)
 
 
 def saved_params(run_dir, step):
@@ -156,6 +156,14 @@ def test_init_from_a_run_and_config_commands(run, capsys):
     assert cli.main(["params", run.config, "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == from_run
 
+    assert cli.main(["plan", str(run.dir), "--mesh", "data8", "--hbm-gib", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["params"] == from_run["total"]
+    assert cli.main(["forward", str(run.dir / "checkpoints" / "2"), "--batch", "1", "--seq", "8",
+                     "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    n = sum(x.size for x in jax.tree.leaves(saved_params(run.dir, 2)))   # count_params adds K3's A_log padding
+    assert f"loaded {run.dir / 'checkpoints' / '2'}: {n:,d} params" in out and "finite=True" in out
+
     # the main job's last lines say what to run next, on this run
     tail = "\n".join(run.log[-5:])
     for cmd in ("k3jax generate", "k3jax logits", "k3jax export", "init_from="):
@@ -191,3 +199,120 @@ def test_vision_features_from_a_conversion_and_not_from_a_run(run, tmp_path, cap
     err = capsys.readouterr().err
     assert "no vision_config" in err or "no vision weights" in err, err
     assert not (tmp_path / "g.npy").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# A guarded run directory
+# ---------------------------------------------------------------------------------------
+def copy_run(run, tmp_path, name="r"):
+    import shutil
+    shutil.copytree(run.dir, tmp_path / name)
+    return tmp_path / name
+
+
+def metrics(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))}
+
+
+def test_a_second_train_on_a_live_run_is_refused_at_once(run, tmp_path, capsys):
+    from k3jax.train.rundir import RunLock
+    r = copy_run(run, tmp_path)
+    (r / "checkpoints" / "4").rename(tmp_path / "moved")      # so that there is training left to do
+    before = {f: (r / f).read_bytes() for f in ("metrics.jsonl", "config.yaml")}
+    with RunLock(str(r)):                                     # a live run: this process
+        assert cli.main(["train", run.config, "--no-compile-cache", f"output_dir={tmp_path}", "run_name=r",
+                         "runtime.param_dtype=bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert f"in use by pid {os.getpid()}" in err and len(err.strip().splitlines()) == 1, err
+    assert {f: (r / f).read_bytes() for f in before} == before    # the live run's files untouched
+
+
+def test_resume_takes_over_a_stale_lock_and_trims_a_torn_metrics_line(run, tmp_path):
+    """What kill -9 leaves (a lock whose pid is gone, a half-written metrics line) does not
+    block the rerun, which then logs what the uninterrupted run logged."""
+    import socket
+    r = copy_run(run, tmp_path)
+    import shutil
+    shutil.rmtree(r / "checkpoints" / "4")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (r / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0,
+                                            "heartbeat": 0}))
+    with open(r / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.2')                    # torn by the kill
+    out = train(run.config, f"output_dir={tmp_path}", "run_name=r", "runtime.param_dtype=bfloat16",
+                cache=run.cache)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "taking over the stale lock" in out.stdout and "dropping a torn last line" in out.stdout
+    assert "resumed from step 2" in out.stdout
+    want = metrics(run.dir)
+    got = metrics(r)
+    assert got[4] == want[4] and set(got) == set(want) | {3}   # step 3: the first step after resume is logged
+    assert not (r / "run.lock").exists()
+
+
+def test_resuming_with_another_config_is_refused_naming_the_keys(run, tmp_path, capsys):
+    r = copy_run(run, tmp_path)
+    (r / "checkpoints" / "4").rename(tmp_path / "moved")
+    before = (r / "config.yaml").read_bytes()
+    other = write_variant(str(tmp_path / "wide.yaml"), layers=("kda",), first_k_dense_replace=0,
+                          hidden_size=32, train=TRAIN)
+    base = ["--no-compile-cache", f"output_dir={tmp_path}", "run_name=r", "runtime.param_dtype=bfloat16"]
+    for cfg, extra, named in ((other, [], "text_config.hidden_size: 64 -> 32"),
+                              (run.config, ["data.seq_len=64"], "train.data.seq_len: 32 -> 64"),
+                              (run.config, ["seed=3"], "train.seed: 0 -> 3"),
+                              (run.config, ["steps=8"], "train.steps: 4 -> 8")):
+        assert cli.main(["train", cfg, *base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "refusing to resume" in err and len(err.strip().splitlines()) == 1, err
+    assert "init_from=" in err                                # the way to train on
+    assert (r / "config.yaml").read_bytes() == before
+
+
+def test_a_run_with_nothing_to_do_leaves_its_config(run, tmp_path, capsys):
+    r = copy_run(run, tmp_path)
+    before = (r / "config.yaml").read_bytes()
+    assert cli.main(["train", run.config, "--no-compile-cache", f"output_dir={tmp_path}", "run_name=r",
+                     "runtime.param_dtype=bfloat16", "optimizer.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and "init_from=" in out
+    assert (r / "config.yaml").read_bytes() == before         # still describes the checkpoints
+
+
+def test_a_full_disk_stops_training_at_the_failed_checkpoint(run, tmp_path):
+    """A real full disk: a 1.5 MB tmpfs holds one checkpoint of the tiny run, not two."""
+    d = tmp_path / "small"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        out = train(run.config, f"output_dir={d}", "run_name=r", "runtime.param_dtype=bfloat16", "steps=12",
+                    cache=run.cache)
+        assert out.returncode == 2, out.stdout + out.stderr
+        err = out.stderr.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert "No space left on device" in err and "Last good checkpoint: step 2" in err, err
+        assert max(metrics(d / "r")) < 12                         # it stopped
+    finally:
+        subprocess.run(["umount", str(d)])
+
+
+def test_a_streamed_run_resumes_exactly(run, tmp_path):
+    """data.loader: grain saves each checkpoint's stream position; resuming the step-2
+    checkpoint logs the uninterrupted run's losses (same compiled step as the fixture's)."""
+    import shutil
+    args = ["runtime.param_dtype=bfloat16", "data.loader=grain", "data.shuffle_window=8"]
+    first = train(run.config, f"output_dir={tmp_path}", "run_name=g", *args, cache=run.cache)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "streamed from 1 file(s)" in first.stdout
+    g = tmp_path / "g"
+    assert sorted(os.listdir(g / "data_state")) == sorted(os.listdir(g / "checkpoints")) == ["2", "4"]
+    shutil.copytree(g, tmp_path / "g2")
+    shutil.rmtree(tmp_path / "g2" / "checkpoints" / "4")
+    shutil.rmtree(tmp_path / "g2" / "data_state" / "4")
+    again = train(run.config, f"output_dir={tmp_path}", "run_name=g2", *args, cache=run.cache)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from step 2" in again.stdout
+    want, got = metrics(g), metrics(tmp_path / "g2")
+    assert got[4] == want[4] and got[3] is not None

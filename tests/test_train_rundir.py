@@ -79,3 +79,113 @@ def test_checkpoint_dirs_refuse_urls_by_name():
         with pytest.raises(ValueError, match="gcsfuse"):
             call()
     assert not os.path.exists("gs:")
+
+
+# ---------------------------------------------------------------------------------------
+# The lock: one run per directory
+# ---------------------------------------------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def _write_lock(d, **rec):
+    (d / "run.lock").write_text(json.dumps(rec))
+
+
+def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
+    import socket
+
+    from k3jax.errors import RunDirError
+    with rundir.RunLock(str(tmp_path)):
+        held = json.loads((tmp_path / "run.lock").read_text())
+        assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
+        with pytest.raises(RunDirError, match=f"in use by pid {os.getpid()} on host {socket.gethostname()}"):
+            rundir.RunLock(str(tmp_path)).acquire()
+    assert not (tmp_path / "run.lock").exists()             # released
+    # another host's lock with a fresh heartbeat may be alive: refused, naming the file to delete
+    import time
+    _write_lock(tmp_path, pid=1, host="elsewhere", started=time.time(), heartbeat=time.time())
+    with pytest.raises(RunDirError, match=f"delete {tmp_path}/run.lock"):
+        rundir.RunLock(str(tmp_path)).acquire()
+
+
+def test_stale_locks_are_taken_over_with_a_warning(tmp_path):
+    import socket
+    import time
+    warnings = []
+    for rec in ({"pid": _dead_pid(), "host": socket.gethostname(), "started": 0, "heartbeat": time.time()},
+                {"pid": 1, "host": "elsewhere", "started": 0, "heartbeat": time.time() - 2 * rundir.STALE_S}):
+        _write_lock(tmp_path, **rec)
+        with rundir.RunLock(str(tmp_path), log=warnings.append):
+            assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert len(warnings) == 2 and "is gone" in warnings[0] and "no heartbeat" in warnings[1]
+
+
+# ---------------------------------------------------------------------------------------
+# metrics.jsonl after a crash
+# ---------------------------------------------------------------------------------------
+def test_a_torn_last_metrics_line_is_trimmed_with_a_warning(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good) + '{"step": 4, "lo')   # the crash
+    warnings = []
+    with rundir.MetricsLog(str(path), keep_through=3, log=warnings.append) as m:
+        m.write({"step": 4, "loss": 0.2})
+    assert [json.loads(x) for x in open(path)] == good + [{"step": 4, "loss": 0.2}]
+    assert len(warnings) == 1 and f"{path}:4: dropping a torn last line" in warnings[0]
+
+
+def test_an_unreadable_middle_metrics_line_names_file_and_line(tmp_path):
+    from k3jax.errors import RunDirError
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\nnot json\n{"step": 3, "loss": 0.5}\n')
+    before = path.read_text()
+    with pytest.raises(RunDirError, match=f"{path}:2: not a metrics record"):
+        rundir.MetricsLog(str(path), keep_through=3)
+    assert path.read_text() == before                      # nothing replaced
+
+
+def test_metrics_file_is_not_rewritten_when_nothing_is_dropped(tmp_path):
+    """Opened for a resume at its last step, the file is only appended to (same inode)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    inode = path.stat().st_ino
+    with rundir.MetricsLog(str(path), keep_through=2) as m:
+        m.write({"step": 3, "loss": 0.25})
+    assert path.stat().st_ino == inode and len(path.read_text().splitlines()) == 3
+
+
+def test_unfinished_checkpoint_writes_are_removed(tmp_path):
+    ck = tmp_path / "checkpoints"
+    (ck / "2" / "default").mkdir(parents=True)
+    (ck / "4.orbax-checkpoint-tmp" / "default").mkdir(parents=True)
+    (ck / "6.orbax-checkpoint-tmp-1712345").mkdir()
+    log = []
+    assert rundir.remove_unfinished_checkpoints(str(ck), log.append) == ["4.orbax-checkpoint-tmp",
+                                                                        "6.orbax-checkpoint-tmp-1712345"]
+    assert sorted(os.listdir(ck)) == ["2"] and len(log) == 2
+
+
+def test_storage_errors_are_told_from_bugs():
+    import errno
+    assert rundir.is_storage_error(OSError(errno.ENOSPC, "No space left on device"))
+    # what tensorstore raises inside Orbax on a full disk
+    e = ValueError("RESOURCE_EXHAUSTED: Error writing \"x\" in OCDBT database: Failed to write 311730 bytes "
+                   "to file 15: No space left on device [os_error_code='28']")
+    assert rundir.is_storage_error(e) and rundir.storage_reason(e) == "No space left on device"
+    assert not rundir.is_storage_error(ValueError("shapes (3,) and (4,) do not match"))
+    assert not rundir.is_storage_error(TypeError("No space left"))
+
+
+def test_data_states_follow_the_kept_checkpoints(tmp_path):
+    from k3jax.errors import RunDirError
+    for step in (2, 4, 6):
+        rundir.write_data_state(str(tmp_path), step, 0, {"next_step": step})
+    rundir.prune_data_state(str(tmp_path), {4, 6})
+    assert sorted(os.listdir(tmp_path / "data_state")) == ["4", "6"]
+    assert rundir.read_data_state(str(tmp_path), 6, 0) == {"next_step": 6}
+    with pytest.raises(RunDirError, match="process_1.json: missing"):
+        rundir.read_data_state(str(tmp_path), 6, 1)

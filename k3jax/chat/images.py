@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from k3jax.chat.messages import in_render_order
+from k3jax.errors import InputError
 
 
 def _parts(messages):
@@ -43,11 +44,11 @@ def image_source(part: dict, base_dir: str | None = None):
     if value.startswith("data:"):
         head, _, data = value.partition(",")
         if ";base64" not in head:
-            raise ValueError(f"image data URL {head!r}...: only base64 data URLs are supported")
+            raise InputError(f"image data URL {head!r}...: only base64 data URLs are supported")
         try:
             return base64.b64decode(data, validate=False)
         except binascii.Error as e:
-            raise ValueError(f"image data URL {head!r}...: bad base64 ({e})") from None
+            raise InputError(f"image data URL {head!r}...: bad base64 ({e})") from None
     if value.startswith(("http://", "https://")):
         return None
     path = value[len("file://"):] if value.startswith("file://") else value
@@ -60,7 +61,7 @@ def image_size(src) -> tuple[int, int]:
     """(width, height) of an image source."""
     if isinstance(src, np.ndarray):
         if src.ndim not in (2, 3):
-            raise ValueError(f"an image array must be [H, W] or [H, W, C], got shape {src.shape}")
+            raise InputError(f"an image array must be [H, W] or [H, W, C], got shape {src.shape}")
         return int(src.shape[1]), int(src.shape[0])
     from k3jax.vision.preprocess import load_image
     img = load_image(src)
@@ -79,7 +80,7 @@ def image_sizes_of(messages, base_dir: str | None = None) -> list[tuple[int, int
         return None
     missing = [f"message {i} part {k}" for (i, k, _, _), s in zip(parts, sources) if s is None]
     if missing:
-        raise ValueError(f"the images of {', '.join(missing)} are not readable here (remote URL or missing file); "
+        raise InputError(f"the images of {', '.join(missing)} are not readable here (remote URL or missing file); "
                          f"give every image as a file or data URL, or pass image_sizes")
     return [image_size(s) for s in sources]
 
@@ -90,10 +91,10 @@ def user_images(messages, base_dir: str | None = None, where: str = "conversatio
     out = []
     for i, k, role, part in _parts(messages):
         if role != "user":
-            raise ValueError(f"{where}: message {i} ({role}) holds an image; K3 takes images in user messages only")
+            raise InputError(f"{where}: message {i} ({role}) holds an image; K3 takes images in user messages only")
         src = image_source(part, base_dir)
         if src is None:
-            raise ValueError(f"{where}: message {i} part {k}: image not found or remote "
+            raise InputError(f"{where}: message {i} part {k}: image not found or remote "
                              f"({str(part)[:120]}); give it as a local file or a data URL")
         out.append(src)
     return out

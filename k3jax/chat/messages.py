@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from k3jax.errors import InputError
+
 
 def normalize_arguments(arguments, where: str) -> tuple[dict, str | None]:
     """(arguments as a dict, raw text when it is not JSON): dict or JSON-object string; None
@@ -21,18 +23,18 @@ def normalize_arguments(arguments, where: str) -> tuple[dict, str | None]:
         except json.JSONDecodeError:
             return {}, arguments
         if not isinstance(parsed, dict):
-            raise ValueError(f"{where}: tool call arguments must be a JSON object, got {type(parsed).__name__}")
+            raise InputError(f"{where}: tool call arguments must be a JSON object, got {type(parsed).__name__}")
         return parsed, None
-    raise ValueError(f"{where}: tool call arguments must be a dict or a JSON object string, "
+    raise InputError(f"{where}: tool call arguments must be a dict or a JSON object string, "
                      f"got {type(arguments).__name__}")
 
 
 def call_function(call, where: str) -> dict:
     if not isinstance(call, dict):
-        raise ValueError(f"{where}: a tool call must be an object, got {type(call).__name__}")
+        raise InputError(f"{where}: a tool call must be an object, got {type(call).__name__}")
     fn = call.get("function", call)
     if not isinstance(fn, dict):
-        raise ValueError(f"{where}: tool call 'function' must be an object, got {type(fn).__name__}")
+        raise InputError(f"{where}: tool call 'function' must be an object, got {type(fn).__name__}")
     return fn
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from k3jax.chat.images import image_size, user_images
 from k3jax.chat.sft import sft_example
+from k3jax.errors import InputError
 
 ROW_OPTIONS = ("thinking", "thinking_effort", "tool_choice", "response_format")
 
@@ -45,14 +46,14 @@ def read_conversations(path: str) -> list[tuple[str, str, dict]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-            raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
+            raise InputError(f"{where}: expected an object with a non-empty 'messages' list")
         if row.get("tools") is not None and not isinstance(row["tools"], list):
-            raise ValueError(f"{where}: 'tools' must be a list of tool declarations")
+            raise InputError(f"{where}: 'tools' must be a list of tool declarations")
         out.append((where, os.path.dirname(str(path)), row))
     if not out:
-        raise ValueError(f"{path}: no conversations")
+        raise InputError(f"{path}: no conversations")
     return out
 
 
@@ -77,7 +78,7 @@ def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict
         sizes = [image_size(s) for s in sources]
         ex = sft_example(row["messages"], tokenizer, row.get("tools"), image_sizes=sizes or None, **opts)
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise InputError(f"{where}: {e}") from None
     ids, train = np.asarray(ex["ids"], np.int32), np.asarray(ex["loss_mask"], bool)
     dropped = not opts.get("thinking", True) and any(
         isinstance(m, dict) and m.get("role") == "assistant" and (m.get("reasoning_content") or m.get("reasoning"))
@@ -85,11 +86,11 @@ def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict
     if not sources:
         return Example(where, ids, train, dropped_reasoning=dropped)
     if image_grid is None:
-        raise ValueError(f"{where}: the conversation holds images but the model has no vision tower")
+        raise InputError(f"{where}: the conversation holds images but the model has no vision tower")
     pad = tokenizer.token_id("<|media_pad|>")
     where_pads = np.flatnonzero(ids == pad)
     if len(where_pads) != len(sources):
-        raise ValueError(f"{where}: {len(where_pads)} <|media_pad|> for {len(sources)} images")
+        raise InputError(f"{where}: {len(where_pads)} <|media_pad|> for {len(sources)} images")
     grids, reps = [], np.ones(len(ids), np.int64)
     for k, (src, (w, h)) in enumerate(zip(sources, sizes)):
         grid, rows = image_grid(w, h)
@@ -138,7 +139,7 @@ def pack_examples(examples: list[Example], seq_len: int, pad_id: int, truncate: 
         kept.append(ex)
     stats["whole"] = len(kept) - stats["cut"]
     if not kept:
-        raise ValueError(f"no conversation left to train on ({stats})")
+        raise InputError(f"no conversation left to train on ({stats})")
     order = sorted(range(len(kept)), key=lambda i: (-len(kept[i].ids), i))
     rows: list[list[int]] = []
     free = []                        # free space of each row

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from k3jax.chat.images import image_sizes_of
 from k3jax.chat.messages import call_function, in_render_order, normalize_arguments
+from k3jax.errors import InputError
 from k3jax.tokenizer import CLOSE, END_OF_MSG, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, OPEN, SEP
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
@@ -112,7 +113,7 @@ class _Builder:
             self.seg(IMAGE_PLACEHOLDER, True)
             return
         if self.images_used >= len(self.image_prompts):
-            raise ValueError(f"the conversation has more images than the {len(self.image_prompts)} image size(s) "
+            raise InputError(f"the conversation has more images than the {len(self.image_prompts)} image size(s) "
                              f"given")
         self.seg(self.image_prompts[self.images_used], True)
         self.images_used += 1
@@ -155,18 +156,18 @@ class _Builder:
             self.text(content)
             return
         if not isinstance(content, (list, tuple)):
-            raise ValueError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+            raise InputError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
         for k, part in enumerate(content):
             if isinstance(part, str):
                 self.text(part)
             elif not isinstance(part, dict):
-                raise ValueError(f"{where}, part {k}: expected an object, got {type(part).__name__}")
+                raise InputError(f"{where}, part {k}: expected an object, got {type(part).__name__}")
             elif part.get("type") in ("image", "image_url"):
                 self.image()
             elif "text" in part:
                 self.text(part["text"])
             else:
-                raise ValueError(f"{where}, part {k}: a part of type {part.get('type')!r} needs a 'text' field")
+                raise InputError(f"{where}, part {k}: a part of type {part.get('type')!r} needs a 'text' field")
 
     def system_note(self, kind: str, body: str):
         self.open("message", [("role", "system"), ("type", kind)])
@@ -196,7 +197,7 @@ class _Builder:
             w = f"{where}, tool call {k}"
             fn = call_function(call, w)
             if "name" not in fn:
-                raise ValueError(f"{w}: the call has no function name")
+                raise InputError(f"{w}: the call has no function name")
             args, raw = normalize_arguments(fn.get("arguments"), w)
             self.open("call", [("tool", fn["name"]), ("index", k)])
             if raw is not None:
@@ -229,15 +230,15 @@ def render_spans(messages, tools=None, *, add_generation_prompt: bool = True, th
     """`render`'s segments and each rendered message's span (in the order rendered: tool
     results may have been put in call order; `index` is the message's position as given)."""
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
+        raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}")
     if thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
-        raise ValueError(f"thinking_effort={thinking_effort!r}: K3 supports {', '.join(THINKING_EFFORTS)} "
+        raise InputError(f"thinking_effort={thinking_effort!r}: K3 supports {', '.join(THINKING_EFFORTS)} "
                          f"(or None for no effort message)")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"message {i}: expected an object, got {type(m).__name__}")
+            raise InputError(f"message {i}: expected an object, got {type(m).__name__}")
         if "role" not in m:
-            raise ValueError(f"message {i}: no 'role'")
+            raise InputError(f"message {i}: no 'role'")
     if image_sizes is None:
         image_sizes = image_sizes_of(messages)
     prompts = None if image_sizes is None else [image_prompt(*_size(s, k)) for k, s in enumerate(image_sizes)]
@@ -266,7 +267,7 @@ def render_spans(messages, tools=None, *, add_generation_prompt: bool = True, th
             if name is None and last_calls is not None and n_results <= len(last_calls):
                 name = call_function(last_calls[n_results - 1], where).get("name")
             if name is None:
-                raise ValueError(f"{where}: no tool name: give the message 'tool' or 'name', or follow an "
+                raise InputError(f"{where}: no tool name: give the message 'tool' or 'name', or follow an "
                                  f"assistant message whose tool call {n_results} names its function")
             b.open("message", [("role", "tool"), ("tool", name), ("index", n_results)])
             body = len(b.segments)
@@ -297,7 +298,7 @@ def render_spans(messages, tools=None, *, add_generation_prompt: bool = True, th
         b.open("message", [("role", "assistant")])
         b.open("think" if thinking else "response")
     if prompts is not None and b.images_used != len(prompts):
-        raise ValueError(f"{len(prompts)} image size(s) given but the conversation has {b.images_used} image(s)")
+        raise InputError(f"{len(prompts)} image size(s) given but the conversation has {b.images_used} image(s)")
     return b.segments, spans
 
 
@@ -306,7 +307,7 @@ def _size(s, k: int) -> tuple[int, int]:
         w, h = s
         return int(w), int(h)
     except (TypeError, ValueError):
-        raise ValueError(f"image_sizes[{k}] = {s!r}: expected (width, height)") from None
+        raise InputError(f"image_sizes[{k}] = {s!r}: expected (width, height)") from None
 
 
 def render(messages, tools=None, *, add_generation_prompt: bool = True, thinking: bool = True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from k3jax.chat.rendering import TOOL_CHOICE_BODY, Segment, render_spans
 from k3jax.chat.tokenizing import segment_ids
+from k3jax.errors import InputError
 
 GENERATION_PROMPT_BODY = 3      # <|open|> think|response <|sep|>, opened by the generation prompt
 
@@ -34,7 +35,7 @@ def sft_segments(messages, tools=None, *, thinking: bool = True, thinking_effort
                  add_generation_prompt: bool = False) -> tuple[list[Segment], list[bool]]:
     """(segments, trained flag per segment) of an SFT example; see `sft_example`."""
     if train_on not in ("all", "last"):
-        raise ValueError(f"train_on={train_on!r}: expected 'all' or 'last'")
+        raise InputError(f"train_on={train_on!r}: expected 'all' or 'last'")
     opts = dict(thinking=thinking, thinking_effort=thinking_effort, image_sizes=image_sizes)
     tail = dict(tool_choice=tool_choice, response_format=response_format)
     last = messages[-1] if messages else None

@@ -5,15 +5,17 @@ conversation's ids that continues it. `apply_chat_template` adds no `[BOS]`; nei
 """
 from __future__ import annotations
 
+from k3jax.errors import InputError
+
 
 def _pairs(segments):
     for k, s in enumerate(segments):
         try:
             text, markup = s
         except (TypeError, ValueError):
-            raise ValueError(f"segment {k}: expected a Segment or a [text, markup] pair, got {s!r}") from None
+            raise InputError(f"segment {k}: expected a Segment or a [text, markup] pair, got {s!r}") from None
         if not isinstance(text, str):
-            raise ValueError(f"segment {k}: text must be a string, got {type(text).__name__}")
+            raise InputError(f"segment {k}: text must be a string, got {type(text).__name__}")
         yield text, bool(markup)
 
 

@@ -19,8 +19,10 @@ not accumulate. Peak host memory is a few copies of the largest single tensor (a
 is handled one at a time), independent of depth and expert count.
 
 Atomicity: everything is written into a hidden temporary sibling of OUT_DIR and renamed
-onto OUT_DIR only when complete; on an error the temporary directory is removed. A
-directory without `k3jax_checkpoint.json` is never a finished conversion.
+onto OUT_DIR only when complete; on an error the temporary directory is removed, and what
+a killed convert left (its pid gone) is removed by the next convert of OUT_DIR on that
+host (`dirs.remove_stale_temps`). A directory without `k3jax_checkpoint.json` is never a
+finished conversion.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import dataclasses
 import json
 import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from k3jax.checkpoint.hf_params import (FLOAT_DTYPES, CheckpointMismatch, check_names, check_stored,
                                         mismatch_message, mxfp4_paths, read_mxfp4_entry, to_tree_layout)
-from k3jax.checkpoint.dirs import FORMAT, MANIFEST, local_path
+from k3jax.checkpoint.dirs import FORMAT, MANIFEST, local_path, remove_stale_temps, temp_sibling
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.checkpoint.orbax_io import TreeWriter
 from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
@@ -171,7 +172,7 @@ def _units(entries):
     return [units[k] for k in sorted(units)]
 
 
-def convert(hf_dir, out_dir, *, progress: bool = False, expert_format: str = "bf16") -> dict:
+def convert(hf_dir, out_dir, *, progress: bool = False, log=None, expert_format: str = "bf16") -> dict:
     """Convert; returns the manifest. Raises before writing anything if names, dtypes or
     shapes do not match the config; refuses to overwrite an existing OUT_DIR.
 
@@ -188,7 +189,8 @@ def convert(hf_dir, out_dir, *, progress: bool = False, expert_format: str = "bf
     mxfp4 = report["mxfp4"]
     total = _source_bytes(ckpt, names)
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    remove_stale_temps(out_dir, log)
+    tmp = temp_sibling(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from k3jax.checkpoint.hf_params import from_tree_layout
+from k3jax.checkpoint.dirs import remove_stale_temps, temp_sibling
 from k3jax.checkpoint.load import local_path, resolve
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
@@ -213,13 +213,13 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
     from k3jax.vision.vision_names import to_hf, vision_tensor_map
 
     if k3.vision is None:
-        raise ValueError("the checkpoint holds vision params but its config.json has no vision_config")
+        raise K3JaxError("the checkpoint holds vision params but its config.json has no vision_config")
     for e in vision_tensor_map(k3.vision):
         out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16"), casts))
 
 
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = False, merge_lora: bool = False) -> dict:
+           progress: bool = False, log=None, merge_lora: bool = False) -> dict:
     """Write HF_DIR from a `k3jax convert` output, a training run or one of its
     checkpoints/N. Returns the index's total_size, shard and tensor counts, the source
     (`ModelSource.describe()`) and `casts` {'float32 -> BF16': n, ...}: every tensor whose
@@ -232,7 +232,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
                          "output or a training run")
     if hf_dir.exists():
         raise FileExistsError(f"{hf_dir} already exists; refusing to overwrite it")
-    hf_config = src.k3.to_hf()
+    # a conversion's config.json as it came (key order, extras); a run's from its config.yaml
+    hf_config = json.loads((src.path / "config.json").read_text()) if src.kind == "orbax" else src.k3.to_hf()
     k3 = src.k3
     cfg, layout = k3.text, src.layout
     if not experts_bf16 and cfg.num_experts and not _has_quantization_config(hf_config):
@@ -259,7 +260,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     kept = 0
 
     from tqdm import tqdm
-    tmp = hf_dir.parent / f".{hf_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    remove_stale_temps(hf_dir, log)
+    tmp = temp_sibling(hf_dir)
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
@@ -360,7 +362,7 @@ def _has_quantization_config(hf_config: dict) -> bool:
                 or hf_config.get("quantization_config"))
 
 
-def export_adapter(run_dir, out_dir) -> dict:
+def export_adapter(run_dir, out_dir, log=None) -> dict:
     """A LoRA run's adapters (its newest checkpoint, or the checkpoints/N given) as a PEFT
     directory (`k3jax.checkpoint.adapters`). Returns {'tensors', 'bytes', 'source', 'rank',
     'targets'}."""
@@ -378,7 +380,8 @@ def export_adapter(run_dir, out_dir) -> dict:
     spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
     adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
     trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    remove_stale_temps(out_dir, log)
+    tmp = temp_sibling(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,

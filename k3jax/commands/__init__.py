@@ -1,4 +1,38 @@
 """Subcommands of `k3jax`: each module here defines `register(subparsers)`.
 
-`k3jax.cli` discovers the modules, so adding a command is adding a file.
+`k3jax.cli` discovers the modules, so adding a command is adding a file. The helpers below
+are shared by the commands that write files.
 """
+from __future__ import annotations
+
+import os
+
+
+def output_path(path: str, suffix: str | None = None) -> str:
+    """The path a command will write (with `suffix` added as np.save would add it),
+    checked before any long work: its folder exists and is writable, and it is not a
+    folder itself. Errors name the path."""
+    if suffix and not path.endswith(suffix):
+        path += suffix
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(2, "output folder does not exist", folder)
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, "is a directory, not an output file", path)
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(13, "output folder is not writable", folder)
+    return path
+
+
+def atomic_write(path: str, write) -> str:
+    """`write(file)` into a temporary name next to `path`, renamed onto it when complete:
+    an interrupted or failed write never leaves a half-written result."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path

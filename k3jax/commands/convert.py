@@ -38,7 +38,8 @@ def run(args) -> int:
         print("k3jax convert: error: OUT_DIR is required unless --dry-run", file=sys.stderr)
         return 2
     t = time.perf_counter()
-    m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, expert_format=args.expert_format)
+    m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, log=print,
+                expert_format=args.expert_format)
     dt = time.perf_counter() - t
     print(f"wrote {args.out_dir}: {m['tensors']:,d} tensors, {m['source_bytes'] / 2**20:,.1f} MiB read "
           f"in {dt:.1f} s ({m['source_bytes'] / 2**20 / max(dt, 1e-9):,.1f} MiB/s); experts {m['experts']} "

@@ -26,6 +26,8 @@ import contextlib
 import json
 import sys
 
+from k3jax.errors import InputError
+
 
 def register(sub):
     p = sub.add_parser("generate", help="prefill + cached decode; streams text or writes generated ids")
@@ -89,10 +91,14 @@ def _encode(tok, k3, text: str, n_images: int) -> list[int]:
 def run(args) -> int:
     import numpy as np
 
+    from k3jax.commands import atomic_write, output_path
+    from k3jax.errors import check_token_ids
     from k3jax.infer.generate import generate
     from k3jax.infer.sampling import SamplingParams
+    from k3jax.vision.multimodal import load_npy
     from k3jax.tokenizer import ByteTokenizer
 
+    out_path = None if args.out is None else output_path(args.out)   # checked before the long part
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     mesh = shardings = None
     if args.mesh is not None:
@@ -120,18 +126,19 @@ def run(args) -> int:
             from k3jax.tokenizer import tokenizer_for
             tok = tokenizer_for(cfg, "tiktoken", args.tokenizer)
         elif cfg.vocab_size > 512:
-            raise ValueError(f"--prompt needs a tokenizer file: this model's vocabulary has {cfg.vocab_size:,d} ids "
+            raise InputError(f"--prompt needs a tokenizer file: this model's vocabulary has {cfg.vocab_size:,d} ids "
                              "and only byte-level vocabularies (<= 512 ids) are built in; pass the checkpoint's "
                              "--tokenizer tiktoken.model, or token ids made with it as --prompt-ids IDS.npy")
         else:
             tok = ByteTokenizer.for_config(cfg)
         prompts = np.array([_encode(tok, k3, args.prompt, len(args.image or ()))], np.int32)
     else:
-        prompts = np.load(args.prompt_ids)
+        prompts = load_npy(args.prompt_ids, "--prompt-ids")
         if prompts.ndim == 1:
             prompts = prompts[None]
-        if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
-            raise ValueError(f"{args.prompt_ids}: expected integer ids [T] or [B, T], got {prompts.dtype} {prompts.shape}")
+        if prompts.ndim != 2:
+            raise InputError(f"{args.prompt_ids}: expected integer ids [T] or [B, T], got {prompts.dtype} {prompts.shape}")
+        prompts = check_token_ids(prompts, cfg.vocab_size, args.prompt_ids)   # before any cast
 
     stream = None
     if tok is not None and args.out is None:
@@ -165,12 +172,9 @@ def run(args) -> int:
     if stream is not None:
         text = tok.decode(new_ids)
         sys.stdout.write((text[len(shown[0]):] if text.startswith(shown[0]) else "") + "\n")
-    if args.out:
-        import os
-        tmp = f"{args.out}.tmp"   # renamed when complete: never a half-written result
-        with open(tmp, "w") as f:
-            json.dump({"prompt_ids": prompts.tolist(), "generated_ids": out}, f)
-        os.replace(tmp, args.out)
+    if out_path:
+        atomic_write(out_path, lambda f: f.write(json.dumps({"prompt_ids": prompts.tolist(),
+                                                             "generated_ids": out}).encode()))
     elif tok is None:
         for row in out:
             print(" ".join(map(str, row)))
@@ -183,23 +187,23 @@ def _read_chat(args):
 
     from k3jax.chat import user_images
     if args.image:
-        raise ValueError("--messages carries its images in the user messages; drop --image")
+        raise InputError("--messages carries its images in the user messages; drop --image")
 
     def read(path, what):
         try:
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise InputError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     conv = read(args.messages, "--messages")
     tools = conv.get("tools") if isinstance(conv, dict) else None
     messages = conv.get("messages") if isinstance(conv, dict) else conv
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"--messages {args.messages}: expected a non-empty list of messages or {{'messages': [...]}}")
+        raise InputError(f"--messages {args.messages}: expected a non-empty list of messages or {{'messages': [...]}}")
     if args.tools:
         tools = read(args.tools, "--tools")
         if not isinstance(tools, list):
-            raise ValueError(f"--tools {args.tools}: expected a list of tool declarations")
+            raise InputError(f"--tools {args.tools}: expected a list of tool declarations")
     return messages, tools, user_images(messages, os.path.dirname(os.path.abspath(args.messages)), args.messages)
 
 
@@ -212,7 +216,7 @@ def _chat_tokenizer(args, k3):
     if path:
         return tokenizer_for(k3, "tiktoken", path)
     if k3.text.vocab_size > 512:
-        raise ValueError(f"--messages needs the tokenizer: {args.model_dir} holds no tiktoken.model; pass --tokenizer")
+        raise InputError(f"--messages needs the tokenizer: {args.model_dir} holds no tiktoken.model; pass --tokenizer")
     return ByteTokenizer.for_config(k3)
 
 

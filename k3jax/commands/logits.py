@@ -31,19 +31,22 @@ def run(args) -> int:
     import numpy as np
 
     from k3jax.checkpoint.load import load_config, load_model_dir
-    from k3jax.model import forward
+    from k3jax.commands import atomic_write, output_path
+    from k3jax.errors import check_token_ids
+    from k3jax.model import InputError, forward
     from k3jax.vision import multimodal as mm
 
-    tokens = np.load(args.tokens)
+    out_path = output_path(args.out, ".npy")          # before anything is loaded
+    tokens = mm.load_npy(args.tokens, "--tokens")
     if tokens.ndim == 1:
         tokens = tokens[None]
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{args.tokens}: token ids must be integers, got {tokens.dtype}")
+    if tokens.ndim != 2:
+        raise InputError(f"{args.tokens}: token ids must be [batch, length] (or [length]), got shape {tokens.shape}")
     # fp32 params and activations: this command is the parity reference path
     runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl,
                "expert_format": args.expert_format}
-    tokens = tokens.astype(np.int32)
     declared = load_config(args.dir)
+    tokens = check_token_ids(tokens, declared.text.vocab_size, args.tokens)   # before the int32 cast
     images = mm.images_from_args(args, declared.vision, args.dir)
     pixels = grids = None
     if images is not None:
@@ -73,6 +76,6 @@ def run(args) -> int:
             spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
             tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
             logits = np.asarray(run_forward(cfg, k3, params, tokens), np.float32)
-    np.save(args.out, logits)
-    print(f"wrote {args.out}: logits {tuple(logits.shape)} float32")
+    atomic_write(out_path, lambda f: np.save(f, logits))
+    print(f"wrote {out_path}: logits {tuple(logits.shape)} float32")
     return 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from k3jax.errors import InputError
+
 GREEN, DIM, RESET = "\033[32m", "\033[2m", "\033[0m"
 OPEN_MARK, CLOSE_MARK = "⟦", "⟧"
 
@@ -34,7 +36,7 @@ def _setup(args):
     from k3jax.tokenizer import ByteTokenizer, TiktokenTokenizer, tokenizer_for
     from k3jax.train import config as tconf
     if args.config and args.tokenizer:
-        raise ValueError("give either --config or --tokenizer")
+        raise InputError("give either --config or --tokenizer")
     if args.config:
         from k3jax.config import load_k3
         k3 = load_k3(args.config)
@@ -87,7 +89,7 @@ def run(args) -> int:
             sizes = [image_size(s) for s in user_images(row["messages"], folder, where)]
             segments, flags = sft_segments(row["messages"], row.get("tools"), image_sizes=sizes or None, **row_opts)
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise InputError(f"{where}: {e}") from None
         per = segment_ids(segments, tok)
         n = sum(map(len, per))
         n_trained = sum(len(p) for p, f in zip(per, flags) if f)

@@ -27,20 +27,6 @@ def register(sub):
     p.set_defaults(fn=run)
 
 
-def _atomic_save(path: str, arr) -> None:
-    """np.save to a temporary name in the same folder, then rename: never a half-written file."""
-    import numpy as np
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, path if path.endswith(".npy") else path + ".npy")
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _vision_params(src, vcfg):
     """The fp32 vision tree of an HF directory or a convert output's vision/ item."""
     import jax
@@ -58,10 +44,14 @@ def run(args) -> int:
     import numpy as np
 
     from k3jax.checkpoint.load import resolve
+    from k3jax.commands import atomic_write, output_path
     from k3jax.config import ConfigError
     from k3jax.layers.vision import check_grids, rows_per_image, vision_features
+    from k3jax.model import InputError
     from k3jax.vision.multimodal import images_from_files, load_npy
 
+    out = output_path(args.out, ".npy")             # checked before anything is loaded
+    grids_out = output_path(args.grids_out, ".npy") if args.grids_out else None
     cfg_path = os.path.join(args.dir, "config.json")
     if os.path.isfile(cfg_path):   # before the text config is parsed: the vision tower is what matters here
         with open(cfg_path) as f:
@@ -77,19 +67,19 @@ def run(args) -> int:
 
     if args.pixels:
         if not args.grids:
-            raise ValueError("--pixels needs --grids GRID_THWS.npy")
+            raise InputError("--pixels needs --grids GRID_THWS.npy")
         pixels, grids = load_npy(args.pixels, "--pixels"), load_npy(args.grids, "--grids")
     else:
         if args.grids:
-            raise ValueError("--grids goes with --pixels; --image computes the grids itself")
+            raise InputError("--grids goes with --pixels; --image computes the grids itself")
         pixels, grids = images_from_files(args.dir, vcfg, args.image)
-        if args.grids_out:
-            _atomic_save(args.grids_out, grids)
+        if grids_out:
+            atomic_write(grids_out, lambda f: np.save(f, grids))
 
     g = check_grids(vcfg, grids)
     params = _vision_params(src, vcfg)
     feats = np.asarray(vision_features(vcfg, params, pixels, g, dtype=jnp.dtype(args.dtype)), np.float32)
-    _atomic_save(args.out, feats)
+    atomic_write(out, lambda f: np.save(f, feats))
     rows = rows_per_image(vcfg, g)
-    print(f"{len(g)} image(s), grids {[list(x) for x in g]} -> rows {rows}; features {feats.shape} -> {args.out}")
+    print(f"{len(g)} image(s), grids {[list(x) for x in g]} -> rows {rows}; features {feats.shape} -> {out}")
     return 0

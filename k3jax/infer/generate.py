@@ -53,6 +53,11 @@ def _as_batch(tokens, lengths):
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise InputError(f"tokens must be [batch, length>0] ids, got shape {tokens.shape}")
     T = tokens.shape[1]
+    i32 = np.iinfo(np.int32)
+    if np.issubdtype(tokens.dtype, np.integer) and (tokens.min() < i32.min or tokens.max() > i32.max):
+        # checked before the int32 cast below, which would wrap 2**32 + 5 to 5
+        bad = tokens.min() if tokens.min() < i32.min else tokens.max()
+        raise InputError(f"token id {int(bad)} is outside the vocabulary")
     n = np.full((tokens.shape[0],), T, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if n.shape != (tokens.shape[0],) or n.min() < 1 or n.max() > T:
         raise InputError(f"lengths {n.tolist()} must give 1..{T} real tokens for each of {tokens.shape[0]} rows")
@@ -150,6 +155,10 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or min(map(len, prompts)) < 1:
         raise InputError("every prompt needs at least one token")
+    bad = [(b, i, x) for b, p in enumerate(prompts) for i, x in enumerate(p) if not 0 <= x < cfg.vocab_size]
+    if bad:
+        b, i, x = bad[0]
+        raise InputError(f"prompt {b}, position {i}: token id {x} is outside the vocabulary [0, {cfg.vocab_size})")
     n = np.array([len(p) for p in prompts], np.int32)
     need = int(n.max()) + max_new_tokens - 1    # the last sampled token is never fed back
     _check_room(cfg, max_len, need)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from k3jax.model import InputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,11 +19,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p"))

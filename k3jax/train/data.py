@@ -15,6 +15,10 @@ Order: rows are shuffled per epoch by a permutation seeded with (seed, epoch), a
 takes global rows s·R … s·R+R−1 (R = rows per step). A batch depends only on (seed, step), so
 a resumed run sees exactly the batches the uninterrupted one would have.
 
+This is the in-memory path (`data.loader: memory`): every process holds the whole packed
+corpus. k3jax/train/batches.py gives the loop one interface over it and the streamed path
+(`data.loader: grain`, k3jax/train/stream.py) for corpora larger than host memory.
+
 Chat (`data.format: chat`, `ChatDataset`): JSONL conversations become SFT examples in K3's
 own format (k3jax.chat), packed whole into rows (k3jax.chat.packing); the loss mask is the
 examples' trained assistant tokens, and rows with images carry their pixels.
@@ -25,6 +29,8 @@ import json
 
 import numpy as np
 from etils import epath
+
+from k3jax.errors import InputError
 
 
 def read_documents(path: str, text_key: str = "text") -> list[str]:
@@ -46,15 +52,15 @@ def read_documents(path: str, text_key: str = "text") -> list[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                raise ValueError(f"{path}:{n}: expected an object with a string {text_key!r} field")
+                raise InputError(f"{path}:{n}: expected an object with a string {text_key!r} field")
             docs.append(obj[text_key])
     else:
         docs = [d.strip() for d in text.split("\n\n")]
     docs = [d for d in docs if d]
     if not docs:
-        raise ValueError(f"{path}: no documents")
+        raise InputError(f"{path}: no documents")
     return docs
 
 
@@ -90,7 +96,7 @@ class PackedDataset:
 
     def __init__(self, docs: list[str], tokenizer, seq_len: int, pad_id: int):
         if seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+            raise InputError(f"seq_len must be at least 2, got {seq_len}")
         ids = [tokenizer.encode(d, bos=True, eos=True) for d in docs]
         self.tokens, self.segs = pack(ids, seq_len, pad_id)
         self.seq_len = seq_len
@@ -132,7 +138,7 @@ class ChatDataset(PackedDataset):
                  truncate: bool = True, vision=None, media=None):
         from k3jax.chat.packing import build_example, pack_examples
         if seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+            raise InputError(f"seq_len must be at least 2, got {seq_len}")
         self.media, grid_of = media, None
         if vision is not None:
             from k3jax.vision.preprocess import MediaConfig, resize_plan
@@ -168,11 +174,11 @@ class ChatDataset(PackedDataset):
         if images:
             from k3jax.vision.preprocess import preprocess_images
             if grad_accum != 1:
-                raise ValueError("chat data with images needs data.grad_accum=1 (a step's image grids are static)")
+                raise InputError("chat data with images needs data.grad_accum=1 (a step's image grids are static)")
             pixels, grids = preprocess_images([src for src, _ in images], self.media)
             want = np.asarray([g for _, g in images], np.int64)
             if not np.array_equal(grids, want):
-                raise ValueError(f"image grids {grids.tolist()} differ from the ones planned when packing "
+                raise InputError(f"image grids {grids.tolist()} differ from the ones planned when packing "
                                  f"{want.tolist()}")
             out["images"] = {"pixels": pixels[None], "grid_thws": grids}
         return out
@@ -192,11 +198,11 @@ def build_dataset(data: dict, tokenizer, k3, path: str, media_dir: str | None = 
         vision, media = k3.vision, MediaConfig.from_dir(media_dir) if media_dir else MediaConfig()
         if "<|media_pad|>" in tokenizer.specials and tokenizer.token_id("<|media_pad|>") != k3.top.get(
                 "media_placeholder_token_id", tokenizer.token_id("<|media_pad|>")):
-            raise ValueError(f"the tokenizer's <|media_pad|> ({tokenizer.token_id('<|media_pad|>')}) is not the "
+            raise InputError(f"the tokenizer's <|media_pad|> ({tokenizer.token_id('<|media_pad|>')}) is not the "
                              f"config's media_placeholder_token_id ({k3.top['media_placeholder_token_id']})")
     options = {"train_on": chat["train_on"], "thinking": chat["thinking"], "thinking_effort": chat["thinking_effort"]}
     ds = ChatDataset(read_conversations(path), tokenizer, data["seq_len"], k3.text.pad_token_id, options=options,
                      truncate=chat["truncate"], vision=vision, media=media)
     if ds.has_images and data["grad_accum"] != 1:
-        raise ValueError(f"{path}: chat data with images needs data.grad_accum=1 (a step's image grids are static)")
+        raise InputError(f"{path}: chat data with images needs data.grad_accum=1 (a step's image grids are static)")
     return ds

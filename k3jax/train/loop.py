@@ -2,18 +2,28 @@
 
 Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://bucket/runs
 (rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
-`keep` newest), `metrics.jsonl` (one object per logged step).
+`keep` newest), `metrics.jsonl` (one object per logged step), `run.lock` while it runs,
+`data_state/N/` (a streamed loader's per-process position at checkpoint N).
+
+Guarding the directory: the config is validated as a whole before anything is read; a
+second run on a live directory is refused naming the holder (rundir.RunLock); resuming
+checkpoints with another model, data stream, seed or (cosine schedule) steps is refused
+naming the keys; config.yaml is written with the first checkpoint this run saves, so it
+always describes the checkpoints; a write that fails for lack of disk stops the run at once
+with one message naming the last good checkpoint.
 
 Failure handling: SIGTERM (preemption) to any process: all processes train on to the step
 they agree on (preemption.py), save it together and return PREEMPTED (42), a code
 schedulers restart a job on. A non-finite loss or gradient norm stops *before* that update
 is checkpointed, so the newest checkpoint is the last good state (return code 3). `kill -9`
 loses at most the steps since the last checkpoint: a rerun resumes from it and, since
-batches depend only on (seed, step) and the step is deterministic, logs the same losses;
-metrics.jsonl lines past the resumed step are dropped first so the file reads as one run.
+batches depend only on (seed, step) (or, streamed, on the position saved with the
+checkpoint) and the step is deterministic, logs the same losses; metrics.jsonl lines past
+the resumed step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -22,12 +32,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 
-from k3jax.config import CONFIG_DIR, load_k3
+from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, checkpoint_steps
+from k3jax.config import CONFIG_DIR, ConfigError, load_k3
 from k3jax.distributed import barrier
+from k3jax.errors import RunDirError
 from k3jax.train import config as tconf, preemption, rundir
-from k3jax.train.data import build_dataset
+from k3jax.train.batches import batch_spec, make_batches
 
 
 def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
@@ -110,7 +121,7 @@ def _base_params(cfg, tc, key, mesh=None, vision=None):
         from k3jax.checkpoint.load import load_model_dir   # another module's loader; lazy
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], shardings=shardings)
         if k3.text.replace(runtime=cfg.runtime) != cfg:
-            raise ValueError(f"init_from {tc['init_from']}: its model config differs from the run's config")
+            raise ConfigError(f"init_from {tc['init_from']}: its model config differs from the run's config")
         return params
     if mesh is not None:
         return sharding.init_params_sharded(cfg, key, *mesh)
@@ -120,13 +131,13 @@ def _base_params(cfg, tc, key, mesh=None, vision=None):
 
 def _multimodal_params(cfg, tc, key, mesh, vision):
     if mesh is not None:
-        raise ValueError("training on images runs on one device for now: drop --mesh, or the images from the data")
+        raise ConfigError("training on images runs on one device for now: drop --mesh, or the images from the data")
     if tc["init_from"]:
         from k3jax.checkpoint.load import load_model_dir
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], vision=True)
         if "vision" not in params:
-            raise ValueError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
-                             f"tower weights")
+            raise ConfigError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
+                              f"tower weights")
         return params
     from k3jax.vision.multimodal import init_multimodal_params
     return init_multimodal_params(cfg, vision, key)
@@ -224,11 +235,6 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
 
 
 def _run(config_path: str, overrides, log, mesh) -> int:
-    import orbax.checkpoint as ocp
-
-    from k3jax.tokenizer import tokenizer_for
-    from k3jax.train import muon, step as tstep
-
     k3 = load_k3(config_path)
     tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
@@ -239,23 +245,82 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
     cfg = _with_lora(cfg, tc)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
+    _preflight(cfg, tc)
     rundir.make_dirs(run_dir)
-    if main:
-        rundir.write_text(f"{run_dir}/config.yaml", yaml.safe_dump({**k3.to_hf(), "train": tc}, sort_keys=False))
-    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
-    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
-    latest = mgr.latest_step()
-    # as early as possible: a SIGTERM from here on resolves to a step this run will reach
-    preemption.begin(latest or 0)
+    saved = checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}")
+    if saved:
+        rundir.check_resume(run_dir, k3, tc, log)     # every process: they all refuse alike
+    if saved and saved[-1] >= tc["steps"]:
+        more = (" or rerun with a larger steps= (the constant schedule allows it)"
+                if tc["optimizer"]["schedule"] == "constant" else "")
+        log(f"{run_dir} already holds step {saved[-1]} >= steps={tc['steps']}: nothing to do. To train on, "
+            f"start a new run from its weights: init_from={_shown(run_dir)} run_name=NEW steps=N{more}")
+        _log_next(log, run_dir, k3, tc, config_path)
+        return 0
+    # one run per directory: process 0 holds the lock (the other processes write no run files)
+    with rundir.RunLock(run_dir, log) if main else contextlib.nullcontext():
+        # as early as possible: a SIGTERM from here on resolves to a step this run will reach
+        preemption.begin(saved[-1] if saved else 0)
+        return _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh)
+
+
+def _preflight(cfg, tc) -> None:
+    """Checks that need the model but no params: freeze patterns that match nothing, an
+    init_from that is not a model directory. Before anything is read or written."""
+    if tc["optimizer"]["freeze"]:
+        from flax import linen as nn
+
+        from k3jax.model import abstract_params
+        from k3jax.train.muon import path_str
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_params(cfg)))]
+        tconf.check_freeze(tc["optimizer"]["freeze"], paths)
+    if tc["init_from"]:
+        from k3jax.checkpoint.load import resolve
+        resolve(tc["init_from"])
+    if tc["data"]["loader"] == "grain":
+        from k3jax.train.stream import require_grain
+        require_grain()       # the extra's message before the run directory is touched
+
+
+class _StorageFailure(Exception):
+    """A run-file or checkpoint write that failed for lack of disk (rundir.is_storage_error)."""
+
+    def __init__(self, what: str, error: BaseException):
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
+def _io(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:   # noqa: BLE001  (only the disk's errors are turned into a failure)
+        if rundir.is_storage_error(e):
+            raise _StorageFailure(what, e) from e
+        raise
+
+
+def _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
+    from k3jax.tokenizer import tokenizer_for
 
     d = tc["data"]
     tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
-    ds = build_dataset(d, tok, k3, _data_path(d["path"]), tc["init_from"])
-    if d["format"] == "chat":
-        log(ds.summary())
-    vision = k3.vision if getattr(ds, "has_images", False) else None   # chat data with images
-    log(f"data: {ds.n_tokens:,d} tokens in {ds.n_rows} packed rows of {d['seq_len']}; "
-        f"{d['batch_size']}x{d['grad_accum']} rows per step")
+    # init_from, where given, is also the folder whose preprocessor_config.json sizes images
+    batches = make_batches(d, _data_path(d["path"]), tc["seed"], tok, k3, jax.process_index(),
+                           jax.process_count(), media_dir=tc["init_from"])
+    log(f"data: {batches.describe()}")
+    try:
+        return _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok)
+    finally:
+        batches.close()
+
+
+def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok) -> int:
+    import orbax.checkpoint as ocp
+
+    from k3jax.train import muon, step as tstep
+
+    d = tc["data"]
+    vision = k3.vision if batches.has_images else None   # chat data with images
 
     t0 = time.perf_counter()
     params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh, vision)
@@ -275,33 +340,42 @@ def _run(config_path: str, overrides, log, mesh) -> int:
 
         from k3jax import sharding
         rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
-        # every process computes the same global batch from (seed, step) and hands over
-        # only the slices its own devices hold
-        place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
-                                 for k, v in b.items()}
+        if batches.local:   # a streamed loader gives each process the rows of its own devices
+            spec = batch_spec(d)
+            place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows, v, spec[k][0])  # noqa: E731
+                                     for k, v in b.items()}
+        else:               # every process computes the same global batch from (seed, step) and
+            # hands over only the slices its own devices hold
+            place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
+                                     for k, v in b.items()}
         state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
 
+    if main:   # under the lock, before any process saves
+        rundir.remove_unfinished_checkpoints(f"{run_dir}/{RUN_CHECKPOINTS}", log)
+    barrier("initialised")   # Orbax's first directory sync is a device collective
+    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
+    mgr = ocp.CheckpointManager(f"{run_dir}/{RUN_CHECKPOINTS}", options=opts)
+    latest = mgr.latest_step()
     if latest is not None:
+        # only what a checkpoint holds (a LoRA run: its adapters and router biases, step.checkpoint_view)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
         state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
                                            groups)
+        if batches.state() is not None:
+            batches.restore(rundir.read_data_state(run_dir, latest, jax.process_index()))
         log(f"resumed from step {latest} ({run_dir}/checkpoints)")
     start = int(state.step)
-    if start >= tc["steps"]:
-        log(f"{run_dir} already holds step {start} >= steps={tc['steps']}: nothing to do "
-            f"(pass a new run_name= or a larger steps=)")
     log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {run_dir}")
     precompiled = mesh is not None and start < tc["steps"]
     if precompiled:
         # compiled ahead of the loop: with the shardings pinned this is the one compile, and a
         # batch or state that did not match it would be an error rather than a recompile
         t = time.perf_counter()
-        batch0 = ds.batch(tc["seed"], start, d["batch_size"], d["grad_accum"])
-        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
-                                              for k, v in batch0.items()}).compile()
+        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+                                              for k, (shape, dtype) in batch_spec(d).items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
         barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
@@ -311,12 +385,33 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                           cfg.num_experts_per_token or 1)
     peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
     bar = _Progress(tc["steps"])
-    rc, last_loss, t_log, steps_since = 0, None, time.perf_counter(), 0
+    rc, last_loss, t_log, steps_since, step = 0, None, time.perf_counter(), 0, start
     first_loss = None
+    written = {"config": False}
+
+    issued = []
+
+    def save(step, state):
+        # config.yaml describes the checkpoints: written with the first one this run makes,
+        # never for a run that saves nothing (refused, nothing to do, a non-finite probe)
+        if main and not written["config"]:
+            _io(RUN_CONFIG, rundir.write_run_config, run_dir, k3, tc)
+            written["config"] = True
+        data_state = batches.state()
+        if data_state is not None:   # before the checkpoint: a checkpoint never lacks it
+            _io("data state", rundir.write_data_state, run_dir, step, jax.process_index(), data_state)
+        issued.append(step)
+        _io("checkpoint", mgr.save, step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
+        if data_state is not None and main:
+            rundir.prune_data_state(run_dir, set(mgr.all_steps()) | {step})
+
+    failure, handled = None, False
+    quiet = rundir.OrbaxErrorLog()
     try:
-        with rundir.MetricsLog(f"{run_dir}/metrics.jsonl", keep_through=start, enabled=main) as mf:
+        with quiet, rundir.MetricsLog(f"{run_dir}/{RUN_METRICS}", keep_through=start, enabled=main, log=log) as mf:
             for s in range(start, tc["steps"]):
-                batch = place_batch(ds.batch(tc["seed"], s, d["batch_size"], d["grad_accum"]))
+                _io("checkpoint", mgr.check_for_errors)    # an async save that failed stops the run here
+                batch = place_batch(batches.batch(s))
                 state, m = train_step(state, batch)
                 loss, gnorm = float(m["loss"]), float(m["grad_norm"])
                 steps_since += 1
@@ -324,7 +419,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                 if not (math.isfinite(loss) and math.isfinite(gnorm)):
                     log(f"step {step}: non-finite loss {loss} / grad norm {gnorm}; stopping. "
                         f"Last good checkpoint: step {mgr.latest_step()}")
-                    mf.write({"step": step, "loss": None, "nonfinite": True})
+                    _io(RUN_METRICS, mf.write, {"step": step, "loss": None, "nonfinite": True})
                     rc = 3
                     break
                 first_loss = loss if first_loss is None else first_loss
@@ -341,7 +436,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                         rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
                     if "ep_dropped" in m:
                         rec["ep_dropped"] = float(m["ep_dropped"])
-                    mf.write(rec)
+                    _io(RUN_METRICS, mf.write, rec)
                     bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
                            if "load_max" in rec else "")
                     bal += f" | ep dropped {100 * rec['ep_dropped']:.2f}%" if "ep_dropped" in rec else ""
@@ -352,15 +447,35 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     t_log, steps_since = time.perf_counter(), 0
                 preempted = watch.reached(step)   # every step, on every process
                 if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:
-                    mgr.save(step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
+                    save(step, state)
                 if preempted:
                     rc = preemption.PREEMPTED
                     break
+        handled = True
+    except _StorageFailure as f:
+        failure, handled = f, True
     finally:
-        mgr.wait_until_finished()
-        mgr.close()
+        with quiet:
+            try:
+                mgr.wait_until_finished()     # raises what the last async save hit
+                mgr.close()
+            except Exception as e:            # noqa: BLE001
+                if handled and failure is None and rundir.is_storage_error(e):
+                    failure = _StorageFailure("checkpoint", e)
+                elif handled and failure is None:
+                    raise
         watch.close()
         bar.close()
+    if failure is not None:
+        good = checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}")
+        last = f"step {good[-1]} ({run_dir}/{RUN_CHECKPOINTS}/{good[-1]})" if good else "none"
+        what = failure.what
+        if what == "checkpoint":   # an async save fails after the steps that follow it began
+            lost = [x for x in issued if x not in good]
+            what = f"checkpoint of step {lost[0] if lost else step}"
+        raise RunDirError(f"{run_dir}: writing the {what} failed ({rundir.storage_reason(failure.error)}); "
+                          f"training stopped at step {step}. Last good checkpoint: {last}. "
+                          "Free space and rerun the same command to resume from it")
     if rc == preemption.PREEMPTED:
         say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
             f"exit code {rc}: rerun the same command to resume")
@@ -379,7 +494,11 @@ def _run(config_path: str, overrides, log, mesh) -> int:
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
     if rc == 0:
-        log("next (a run directory or its checkpoints/N works wherever a model directory does):")
-        for line in next_commands(run_dir, k3, tc, config_path):
-            log(f"  {line}")
+        _log_next(log, run_dir, k3, tc, config_path)
     return rc
+
+
+def _log_next(log, run_dir, k3, tc, config_path):
+    log("next (a run directory or its checkpoints/N works wherever a model directory does):")
+    for line in next_commands(run_dir, k3, tc, config_path):
+        log(f"  {line}")

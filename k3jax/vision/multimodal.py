@@ -208,19 +208,22 @@ def images_from_args(args, vcfg: VisionConfig | None, model_dir):
     """(pixels, grid_thws) from a command's --image FILE... or --pixels/--grids, else None."""
     if getattr(args, "image", None):
         if getattr(args, "pixels", None) or getattr(args, "grids", None):
-            raise ValueError("--image computes pixels and grids itself; give either --image or --pixels/--grids")
+            raise InputError("--image computes pixels and grids itself; give either --image or --pixels/--grids")
         return images_from_files(model_dir, vcfg, args.image)
     if getattr(args, "pixels", None) or getattr(args, "grids", None):
         if not (args.pixels and args.grids):
-            raise ValueError("--pixels and --grids go together (pixels [num_patches, 3, P, P], grids [num_images, 3])")
+            raise InputError("--pixels and --grids go together (pixels [num_patches, 3, P, P], grids [num_images, 3])")
         return load_npy(args.pixels, "--pixels"), load_npy(args.grids, "--grids")
     return None
 
 
 def load_npy(path: str, what: str) -> np.ndarray:
-    arr = np.load(path, allow_pickle=False)
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:   # not a .npy file, or a truncated one (a missing file stays FileNotFoundError)
+        raise InputError(f"{what} {path}: not a readable .npy array ({e})") from None
     if not isinstance(arr, np.ndarray):
         keys = list(arr.keys())
         arr.close()
-        raise ValueError(f"{what} {path}: expected one .npy array, got an .npz archive with keys {keys}")
+        raise InputError(f"{what} {path}: expected one .npy array, got an .npz archive with keys {keys}")
     return arr

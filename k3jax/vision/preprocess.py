@@ -82,11 +82,9 @@ def resize_plan(width: int, height: int, mc: MediaConfig) -> dict[str, int]:
 
 
 def _pil():
-    try:
-        from PIL import Image
-    except ImportError as e:  # Pillow is only needed for image files, not for pre-patchified pixels
-        raise ImportError("decoding images needs Pillow: pip install pillow") from e
-    return Image
+    # Pillow is only needed for image files, not for pre-patchified pixels
+    from k3jax.errors import require
+    return require("PIL.Image", "vision", "decoding image files (--image)", package="pillow")
 
 
 def load_image(src):

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""The numbers in README.md and launch/README.md, regenerated from the code that computes them.
+
+    python scripts/docs_tables.py           # rewrite every generated block in place
+    python scripts/docs_tables.py --check   # exit 1 and name the blocks that are out of date
+
+A generated block sits between
+
+    <!-- generated: NAME (python scripts/docs_tables.py) -->
+    ...
+    <!-- end generated: NAME -->
+
+and is replaced whole; everything outside the markers is left alone. The plan tables come
+from `k3jax plan ... --json` (run in-process, the same code path as the command), the
+parameter counts from `k3jax params --json`, the preset table from configs/meshes/*.yaml
+(each preset's own `description`). tests/test_docs.py fails when a block differs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GIB = 1 << 30
+REGEN = "python scripts/docs_tables.py"
+
+# The K3 plan table: (preset, mode, optimizer or expert format). Training batches give each
+# device 1024 tokens of 4096-token sequences; inference one 128 k-token sequence per device.
+PLAN_ROWS = [
+    ("v5p-512", "train", "adamw"), ("v5p-512", "train", "muon"),
+    ("v5p-1024", "train", "adamw"), ("v5p-1024", "train", "muon"),
+    ("v5p-1024x2", "train", "adamw"), ("v5p-1024x2", "train", "muon"),
+    ("h200x64", "train", "muon"), ("h200x128", "train", "muon"), ("h200x256", "train", "muon"),
+    ("b300x8", "infer", "mxfp4"), ("b300x8", "infer", "bf16"), ("b300x16", "infer", "mxfp4"),
+]
+TRAIN_SEQ, TOKENS_PER_DEVICE, INFER_SEQ = 4096, 1024, 131072
+TIGHT = 0.9      # "yes (tight)": the plan fills at least this share of HBM
+
+
+def _json(*argv) -> dict:
+    from k3jax import cli
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(list(argv) + ["--json"])
+    if rc != 0:
+        raise SystemExit(f"k3jax {' '.join(argv)} --json failed ({rc})")
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+def _devices(preset: str) -> int:
+    from k3jax.sharding import load_preset
+    return _prod(load_preset(preset).shape().values())
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def plan_row(preset: str, mode: str, choice: str) -> dict:
+    n = _devices(preset)
+    if mode == "train":
+        batch, seq = n * TOKENS_PER_DEVICE // TRAIN_SEQ, TRAIN_SEQ
+        extra = ["--optimizer", choice]
+    else:
+        batch, seq = n, INFER_SEQ
+        extra = ["--mode", "infer", "--expert-format", choice]
+    return _json("plan", "configs/k3.yaml", "--mesh", preset, "--batch", str(batch), "--seq", str(seq), *extra)
+
+
+def _g(b) -> str:
+    return f"{b / GIB:.1f}"
+
+
+def _fits(p: dict) -> str:
+    if not p["fits"]:
+        return "no"
+    return "yes (tight)" if p["bytes_per_device"]["total"] >= TIGHT * p["hbm_bytes"] else "yes"
+
+
+def plan_table(rows) -> str:
+    head = ("| preset | mode | batch × seq | optimizer / experts | params | grads | optimizer / caches | "
+            "activations (ep buffers) | total / HBM | fits |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for (preset, mode, choice), p in rows:
+        b = p["bytes_per_device"]
+        train = mode == "train"
+        lines.append(
+            f"| {preset} | {mode} | {p['batch']}×{p['seq']} | {choice} | {_g(b['params'])} | "
+            f"{_g(b['grads']) if train else '—'} | {_g(b['optimizer']) if train else 'caches ' + _g(b['caches'])} | "
+            f"{_g(b['activations'])} ({_g(p['detail']['activations']['moe_buffer'])}) | "
+            f"{_g(b['total'])} / {p['hbm_bytes'] / GIB:.0f} | {_fits(p)} |")
+    return head + "\n".join(lines)
+
+
+def plan_summary(rows) -> str:
+    """What the table says, in words that follow the numbers."""
+    params = rows[0][1]["params"]
+    fits: dict = {}     # (platform, mode, choice) -> [(devices, preset, fits)], in PLAN_ROWS order
+    for (preset, mode, choice), p in rows:
+        from k3jax.sharding import load_preset
+        platform = load_preset(preset).device or re.split(r"[-x]", preset)[0]
+        fits.setdefault((platform, mode, choice), []).append((p["devices"], preset, p["fits"]))
+    out = [f"- Training state is 12 bytes per parameter with AdamW (bf16 param + bf16 grad + fp32 m, v) "
+           f"and 8 with Muon on the matrices: {12 * params / 1e12:.1f} TB / {8 * params / 1e12:.1f} TB for K3."]
+    for (platform, mode, choice), entries in fits.items():
+        ok = sorted(e for e in entries if e[2])
+        what = f"{'Training' if mode == 'train' else 'Inference'} with {choice} on {platform}"
+        if ok:
+            out.append(f"- {what}: the smallest preset that fits is `{ok[0][1]}` ({ok[0][0]} devices).")
+        else:
+            out.append(f"- {what}: none of {', '.join(f'`{e[1]}`' for e in sorted(entries))} fits.")
+    return "\n".join(out)
+
+
+def ep_buffer() -> str:
+    drop = _json("plan", "configs/k3.yaml", "--mesh", "v5p-1024")
+    cap = _json("plan", "configs/k3.yaml", "--mesh", "v5p-1024", "--ep-capacity", "1.25")
+    return (f"On v5p-1024 at one sequence per batch shard ({drop['batch']} × {drop['seq']}) the dropless "
+            f"buffer is {_g(drop['detail']['activations']['moe_buffer'])} GiB per device; "
+            f"`--ep-capacity 1.25` plans {_g(cap['detail']['activations']['moe_buffer'])} GiB.")
+
+
+def preset_table() -> str:
+    import yaml
+
+    from k3jax.sharding import MESH_DIR, load_preset
+    lines = ["| preset | devices | axes | HBM / device | description |", "|---|---|---|---|---|"]
+    for f in sorted(os.listdir(MESH_DIR)):
+        if not f.endswith(".yaml"):
+            continue
+        name = f[:-5]
+        with open(os.path.join(MESH_DIR, f)) as fh:
+            desc = (yaml.safe_load(fh) or {}).get("description")
+        if not desc:
+            raise SystemExit(f"configs/meshes/{f}: add a description: line (it goes into launch/README.md)")
+        p = load_preset(name)
+        free = any(s == -1 for s in p.ici.values())
+        axes = " × ".join(f"{a} {'all' if s == -1 else s}" for a, s in p.ici.items())
+        if p.dcn:
+            axes = " × ".join(f"{a} {s} (DCN)" for a, s in p.dcn.items()) + " × " + axes
+        devices = "all" if free else str(_prod(p.shape().values()))
+        hbm = f"{p.hbm_gib:g} GiB" if p.hbm_gib else "—"
+        lines.append(f"| `{name}` | {devices} | {axes} | {hbm} | {desc} |")
+    return "\n".join(lines)
+
+
+def param_table() -> str:
+    lines = ["| config | total | activated |", "|---|---|---|"]
+    for name, label in (("k3", "`k3` (and the released `config.json`)"), ("kimi_linear_48b", "`kimi_linear_48b`")):
+        c = _json("params", name)
+        lines.append(f"| {label} | {c['total']:,d} | {c['active']:,d} |")
+    return "\n".join(lines)
+
+
+def blocks() -> dict[str, dict[str, str]]:
+    """{file: {block name: text}} for every generated block."""
+    rows = [(r, plan_row(*r)) for r in PLAN_ROWS]
+    return {"README.md": {"params": param_table(), "plan-summary": plan_summary(rows)},
+            "launch/README.md": {"presets": preset_table(), "ep-buffer": ep_buffer(),
+                                 "plan-k3": plan_table(rows), "plan-summary": plan_summary(rows)}}
+
+
+def _pattern(name: str):
+    return re.compile(rf"(<!-- generated: {re.escape(name)} \(.*?\) -->\n)(.*?)(\n<!-- end generated: "
+                      rf"{re.escape(name)} -->)", re.S)
+
+
+def render(text: str, new: dict[str, str], path: str) -> str:
+    for name, body in new.items():
+        pat = _pattern(name)
+        if not pat.search(text):
+            raise SystemExit(f"{path}: no generated block {name!r} (markers: <!-- generated: {name} ({REGEN}) -->)")
+        text = pat.sub(lambda m: m.group(1) + body + m.group(3), text)
+    return text
+
+
+def stale() -> list[tuple[str, str]]:
+    """(file, block) pairs whose text differs from what the code computes now."""
+    out = []
+    for path, new in blocks().items():
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        for name, body in new.items():
+            m = _pattern(name).search(text)
+            if m is None or m.group(2) != body:
+                out.append((path, name))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only report the blocks that are out of date")
+    args = ap.parse_args(argv)
+    os.chdir(ROOT)
+    if args.check:
+        bad = stale()
+        for path, name in bad:
+            print(f"{path}: block {name!r} is out of date; run `{REGEN}`")
+        return 1 if bad else 0
+    for path, new in blocks().items():
+        with open(path) as f:
+            text = f.read()
+        out = render(text, new, path)
+        if out != text:
+            with open(path, "w") as f:
+                f.write(out)
+            print(f"updated {path}: {', '.join(new)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
