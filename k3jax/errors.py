@@ -16,3 +16,7 @@ class K3JaxError(ValueError):
 class RunDirError(K3JaxError):
     """A training run directory that cannot be used as asked (locked, different config,
     a checkpoint write that failed); the message names the directory."""
+
+
+class InputError(K3JaxError):
+    """Model inputs that cannot be run: wrong shape, ids out of range, too long."""

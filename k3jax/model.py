@@ -19,7 +19,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.errors import K3JaxError
+from k3jax.errors import InputError
 from k3jax.layers.attn_res import AttnRes, defer_block, flush_block, push_block
 from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
@@ -27,10 +27,6 @@ from k3jax.layers.mla import GatedMLA
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
-
-
-class InputError(K3JaxError):
-    """Model inputs that cannot be run: wrong shape, ids out of range, too long."""
 
 
 # LoRA adapters (RuntimeOptions.lora) are the flax collection 'lora', laid out like the

@@ -16,7 +16,7 @@ from k3jax.layers.common import compute_dtype, dense, logical
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda_context import sharded_kda
-from k3jax.sharding import active_mesh_axes, fit_spec
+from k3jax.mesh import active_mesh_axes, fit_spec
 
 
 def l2_normalize(x, eps: float):
