@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.config import load as load_config
 from k3jax.ops.kda import kda
-from k3jax.ops.kda_scan import sharded_kda
+from k3jax.ops.kda_context import sharded_kda
 
 
 def best_time(fn, reps):

@@ -38,7 +38,7 @@ def main():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.ops.kda import kda
-    from k3jax.ops.kda_scan import sharded_kda
+    from k3jax.ops.kda_context import sharded_kda
     from kda import best_time, make_inputs  # benchmarks/kda.py, beside this file
 
     B, T, H, K, C = args.B, args.T, args.H, args.K, args.C

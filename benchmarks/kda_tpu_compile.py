@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3jax.ops.kda import kda  # noqa: E402
-from k3jax.ops.kda_scan import context_parallel_kda  # noqa: E402
+from k3jax.ops.kda_context import context_parallel_kda  # noqa: E402
 
 
 def programs(impl, C, lb, mesh):

@@ -23,7 +23,15 @@ import yaml
 
 from k3jax.errors import K3JaxError
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+def _config_dir() -> str:
+    """The presets: the repository's configs/ in a source tree, else the copy the wheel
+    installs as k3jax/presets (setup.py)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.join(os.path.dirname(here), "configs")
+    return source if os.path.isdir(source) else os.path.join(here, "presets")
+
+
+CONFIG_DIR = _config_dir()
 
 
 class ConfigError(K3JaxError):

@@ -33,3 +33,20 @@ def assert_logits_match(logits, ref, rel: float = 1e-4, max_abs: float = 2e-3, m
         top2 = np.sort(ref[b], axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > margin
         np.testing.assert_array_equal(logits[b].argmax(-1)[clear], ref[b].argmax(-1)[clear])
+
+
+def greedy_full_forward(cfg, params, ids: list[int], n_new: int, pad_id: int) -> list[int]:
+    """Greedy continuation by full forwards of one fixed-length buffer (no cache): the
+    reference the cached decoder is held to (causal, so the padding after the cursor never
+    affects the logits read)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.model import K3Model, variables_of
+    T = len(ids) + n_new
+    buf = np.full((1, T), pad_id, np.int32)
+    buf[0, :len(ids)] = ids
+    fwd = jax.jit(lambda p, t: jnp.argmax(K3Model(cfg).apply(variables_of(p), t), -1))
+    for pos in range(len(ids), T):
+        buf[0, pos] = np.asarray(fwd(params, jnp.asarray(buf)))[0, pos - 1]
+    return buf[0, len(ids):].tolist()

@@ -21,7 +21,7 @@ from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile, Sharded
 from k3jax.config import K3Config
 from k3jax.layers.vision import vision_features
 from k3jax.model import abstract_params
-from k3jax.vision.vision_names import load_vision_params
+from k3jax.checkpoint.vision_names import load_vision_params
 
 REFERENCE = SHARED / "reference" / "kimi-k3"
 

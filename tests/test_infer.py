@@ -18,6 +18,7 @@ from k3jax import model as M
 from k3jax.checkpoint.hf_params import load_hf_params
 from k3jax.infer import caches
 from k3jax.infer import generate as G
+from k3jax.infer.generator import Generator
 from k3jax.infer.prefix import PrefixCache
 from k3jax.infer.sampling import SamplingParams, sample
 
@@ -241,7 +242,7 @@ def test_cli_generate_streams_text(capsys):
                  "--top-p", "0.9", "--seed", "3", "--no-eos-stop"]) == 0
     out = capsys.readouterr().out
     # the Python API with the same settings samples the same ids (same seed, same steps)
-    ids = G.Generator(cfg, params).generate([[cfg.bos_token_id, *text.encode()]], 5, SamplingParams(0.8, 0, 0.9, 3))
+    ids = Generator(cfg, params).generate([[cfg.bos_token_id, *text.encode()]], 5, SamplingParams(0.8, 0, 0.9, 3))
     assert len(ids[0]) == 5
     streamed = bytes(i for i in ids[0] if i < 256).decode("utf-8", errors="replace").rstrip("\ufffd")
     assert out.startswith(text + streamed)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import kda_chunk
 from k3jax.ops.kda import kda
-from k3jax.ops.kda_scan import context_parallel_kda
+from k3jax.ops.kda_context import context_parallel_kda
 from test_kda_op import make_inputs, make_segments, make_state, rel_rms
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -400,7 +400,7 @@ def test_sharded_kda_runs_each_devices_slice_and_equals_single_device(spec, impl
     only its slice of batch, time and heads, and outputs, final state and all six gradients
     equal the single-device recurrence (documents and an initial state included)."""
     from k3jax.ops import kda as kda_mod
-    from k3jax.ops.kda_scan import sharded_kda
+    from k3jax.ops.kda_context import sharded_kda
 
     if len(jax.devices()) < 8:
         pytest.skip(f"needs 8 devices, have {len(jax.devices())} (tests/conftest.py sets 8)")

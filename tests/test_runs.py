@@ -98,7 +98,7 @@ def reference_logits(run, tokens):
 
 
 def test_logits_generate_and_export_of_a_run(run, tmp_path, capsys):
-    from k3jax.train.sample import greedy_full_forward
+    from helpers import greedy_full_forward
 
     tokens = np.array([[256, 84, 104, 101, 32, 114, 105]], np.int32)
     np.save(tmp_path / "ids.npy", tokens)

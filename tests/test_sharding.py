@@ -394,11 +394,11 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
     state maps exchanged), and its output and gradients equal the unsharded layer's — with
     documents starting inside a device's slice and exactly at the device edge."""
     from k3jax.layers.kda import KimiDeltaAttention
-    from k3jax.ops import kda_scan
+    from k3jax.ops import kda_context
 
     calls = []
-    real = kda_scan.context_parallel_kda
-    monkeypatch.setattr(kda_scan, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = kda_context.context_parallel_kda
+    monkeypatch.setattr(kda_context, "context_parallel_kda", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = load("toy", kda_impl=impl)
     B, T = 4, 32
     rng = np.random.default_rng(5)

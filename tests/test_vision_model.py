@@ -30,7 +30,7 @@ from k3jax.train import step as tstep
 from k3jax.train.variants import variant_dict
 from k3jax.vision import multimodal as MM
 from k3jax.vision.preprocess import preprocess_images
-from k3jax.vision.vision_names import vision_params_to_hf
+from k3jax.checkpoint.vision_names import vision_params_to_hf
 
 # fp32 as `k3jax logits` runs; the recurrent KDA oracle compiles its backward in half the
 # time of the chunk path on CPU

@@ -46,7 +46,7 @@ def generate_reply(cfg, params, tokenizer, messages, tools=None, *, max_new_toke
     if images is None:
         out = generate(cfg, params, [ids], max_new_tokens, sampling, **kw)[0]
     else:
-        from k3jax.vision.multimodal import generate_with_images
+        from k3jax.infer.generate import generate_with_images
         vcfg, pixels, grids, pad = images
         out = generate_with_images(cfg, vcfg, params, [ids], pixels, grids, max_new_tokens, sampling, pad_id=pad,
                                    **kw)[0]

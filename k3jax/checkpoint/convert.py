@@ -128,7 +128,7 @@ def _plan_vision(k3: K3Config, ckpt: ShardedCheckpoint):
     import jax
 
     from k3jax.layers.vision import vision_param_shapes
-    from k3jax.vision.vision_names import stored_shape, vision_tensor_map
+    from k3jax.checkpoint.vision_names import stored_shape, vision_tensor_map
 
     shapes = {tuple(k.key for k in p): tuple(leaf.shape)
               for p, leaf in jax.tree_util.tree_leaves_with_path(vision_param_shapes(k3.vision))}
@@ -230,7 +230,7 @@ def convert(hf_dir, out_dir, *, progress: bool = False, log=None, expert_format:
 
 def _write_vision(ckpt, k3: K3Config, directory: Path, leaves) -> int:
     """The vision tree, tensor by tensor (a block's weights into its layer slice); source bytes."""
-    from k3jax.vision.vision_names import to_tree, vision_tensor_map
+    from k3jax.checkpoint.vision_names import to_tree, vision_tensor_map
 
     writer, total = TreeWriter(directory, leaves), 0
     for e in vision_tensor_map(k3.vision):

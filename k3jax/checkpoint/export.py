@@ -20,7 +20,7 @@ that reproduces its current values exactly (it was not changed since conversion)
 freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise (always, for a run).
 
 Vision: the `vision/` tree goes back under its `vision_tower.*` / `mm_projector.*` names
-(`k3jax.vision.vision_names`), each tensor in the dtype it was converted from (the
+(`k3jax.checkpoint.vision_names`), each tensor in the dtype it was converted from (the
 manifest's `vision_dtypes`), so an unchanged tower round-trips byte for byte.
 
 MXFP4-resident experts (`convert --expert-format mxfp4`, runs with `runtime.expert_format:
@@ -210,7 +210,7 @@ def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
 def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str], casts: dict) -> None:
     """The vision tree back under its checkpoint names, in the dtype each tensor was
     converted from (bf16, the released dtype, when the manifest does not say)."""
-    from k3jax.vision.vision_names import to_hf, vision_tensor_map
+    from k3jax.checkpoint.vision_names import to_hf, vision_tensor_map
 
     if k3.vision is None:
         raise K3JaxError("the checkpoint holds vision params but its config.json has no vision_config")

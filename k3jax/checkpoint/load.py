@@ -228,7 +228,7 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     if text_shardings is not None:
         params = jax.tree.map(jax.device_put, params, text_shardings)
     if vision and k3.vision is not None and _has_vision_tensors(src.path):
-        from k3jax.vision.vision_names import load_vision_params
+        from k3jax.checkpoint.vision_names import load_vision_params
         abstract = _vision_abstract(k3)
         tree = load_vision_params(k3.vision, src.path, np.float32)
         tree = jax.tree.map(lambda a, s: np.asarray(a, s.dtype), tree, abstract)
@@ -336,7 +336,7 @@ def _replicated(abstract, text_shardings):
 
 def _has_vision_tensors(path: Path) -> bool:
     from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
-    from k3jax.vision.vision_names import PREFIXES
+    from k3jax.checkpoint.vision_names import PREFIXES
     ckpt = ShardedCheckpoint(path)
     try:
         return any(n.startswith(PREFIXES) for n in ckpt.keys())

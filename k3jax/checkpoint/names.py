@@ -170,19 +170,6 @@ def stored_shape(entry: TensorEntry, slot_shape: tuple[int, ...], cfg: ModelConf
 # ---------------------------------------------------------------------------------------
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 VISION_BLOCK_PARTS = ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1")
-VISION_PATTERNS = tuple(re.compile(p) for p in (
-    r"vision_tower\.patch_embed\.(proj|pos_emb)\.weight",
-    r"vision_tower\.encoder\.blocks\.(\d+)\.(norm0|norm1|wqkv|wo|mlp\.fc0|mlp\.fc1)\.weight",
-    r"vision_tower\.encoder\.final_layernorm\.weight",
-    r"mm_projector\.proj\.(0|2)\.weight",
-    r"mm_projector\.post_norm\.weight",
-))
-
-
-def is_vision_name(name: str) -> bool:
-    return name.startswith(VISION_PREFIXES)
-
-
 def vision_names(vision: VisionConfig | None) -> list[str]:
     """Every vision-tower and projector tensor a config implies, in checkpoint order."""
     if vision is None:

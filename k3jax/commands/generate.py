@@ -166,7 +166,8 @@ def run(args) -> int:
             out = generate(cfg, params, prompts.tolist(), args.max_new_tokens, sampling, eos_id=eos,
                            on_tokens=stream)
         else:
-            from k3jax.vision.multimodal import generate_with_images, media_pad_id
+            from k3jax.infer.generate import generate_with_images
+            from k3jax.vision.multimodal import media_pad_id
             out = generate_with_images(cfg, k3.vision, params, prompts.tolist(), *images, args.max_new_tokens,
                                        sampling, pad_id=media_pad_id(k3), eos_id=eos, on_tokens=stream)
     if stream is not None:

@@ -32,7 +32,7 @@ def _vision_params(src, vcfg):
     import jax
     import numpy as np
     if src.kind == "hf":
-        from k3jax.vision.vision_names import load_vision_params
+        from k3jax.checkpoint.vision_names import load_vision_params
         return load_vision_params(vcfg, src.path, np.float32)
     from k3jax.checkpoint.orbax_io import restore_tree
     from k3jax.layers.vision import vision_param_shapes

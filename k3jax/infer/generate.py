@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, VisionConfig
 from k3jax.infer.caches import Cache, apply_updates, empty_past, init_cache
 from k3jax.infer.sampling import SamplingParams, sample, step_key
 from k3jax.model import InputError, K3Model, validate_inputs, variables_of
@@ -147,7 +147,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     the prompt's own cache is saved for later requests.
 
     `image_features` [N, D]: the prompts' `<|media_pad|>` (`media_pad_id`) tokens, already
-    expanded to N in all (`k3jax.vision.multimodal.generate_with_images` does that), take
+    expanded to N in all (`generate_with_images` does that), take
     these rows in order during prefill.
     """
     if max_new_tokens < 1:
@@ -181,8 +181,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
             tokens[b, :len(p)] = p
         img = {}
         if image_features is not None:
-            from k3jax.vision.merge import feature_rows
-            from k3jax.vision.multimodal import check_media_rows
+            from k3jax.vision.merge import check_media_rows, feature_rows
             valid = np.arange(tokens.shape[1])[None] < n[:, None]
             check_media_rows(tokens, media_pad_id, image_features.shape[0], valid)
             img = {"image_features": image_features, "feature_rows": feature_rows(tokens, media_pad_id, valid)}
@@ -209,21 +208,16 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
     return out
 
 
-class Generator:
-    """The Python API: a loaded model plus an optional prefix cache.
+def generate_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, prompts, pixels, grid_thws,
+                         max_new_tokens: int, sampling=None, *, pad_id: int, **kw) -> list[list[int]]:
+    """`generate` for prompts that carry images: the pads are expanded
+    (`expand_prompts`), the image features are computed once, prefill writes them into the
+    pad rows, and decode continues on the cache as for text. Returns the generated ids."""
+    from k3jax.vision.multimodal import expand_prompts, image_features, prepare_images, split_params
 
-    >>> g = Generator(cfg, params)
-    >>> g.generate([[256, 72, 105]], max_new_tokens=8)             # greedy
-    >>> g.generate(prompts, 32, SamplingParams(temperature=0.8, top_p=0.9, seed=1))
-    """
-
-    def __init__(self, cfg: ModelConfig, params, *, reuse_prefixes: bool = False):
-        from k3jax.infer.prefix import PrefixCache
-        self.cfg, self.params = cfg, params
-        self.prefixes = PrefixCache() if reuse_prefixes else None
-
-    def generate(self, prompts, max_new_tokens: int, sampling: SamplingParams = SamplingParams(), **kw):
-        if self.prefixes is not None and len(prompts) > 1:
-            return [self.generate([p], max_new_tokens, sampling, **kw)[0] for p in prompts]
-        return generate(self.cfg, self.params, prompts, max_new_tokens, sampling,
-                        prefix_cache=self.prefixes, **kw)
+    images = prepare_images(vcfg, pixels, grid_thws)
+    expanded = expand_prompts(prompts, images.rows, pad_id)
+    feats = image_features(cfg, vcfg, params, images)
+    text, _ = split_params(params)
+    return generate(cfg, text, [p.tolist() for p in expanded], max_new_tokens, sampling or SamplingParams(),
+                    image_features=feats, media_pad_id=pad_id, **kw)

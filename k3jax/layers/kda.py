@@ -15,8 +15,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype, dense, logical
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.ops import kda as kda_ops
-from k3jax.ops.kda_scan import sharded_kda
-from k3jax.sharding import active_mesh_axes, fit_spec
+from k3jax.ops.kda_context import sharded_kda
+from k3jax.mesh import active_mesh_axes, fit_spec
 
 
 def l2_normalize(x, eps: float):
@@ -67,7 +67,7 @@ def kda_sequence(cfg: ModelConfig, q, k, v, g, beta, segment_ids=None, state=Non
     """The recurrence over whole sequences with the configured impl: (o, outgoing state),
     the state only when an incoming one is given (a cache's).
 
-    Under a mesh each device runs its own slice of batch and heads (ops.kda_scan.
+    Under a mesh each device runs its own slice of batch and heads (ops.kda_context.
     sharded_kda): left to XLA's partitioner, every device gathered and computed the whole
     global batch. Where the rules shard `length` too (context parallelism), its slices
     are consecutive pieces of time and only the fixed-size state maps cross devices."""

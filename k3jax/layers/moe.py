@@ -27,7 +27,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.ops.experts import (adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits,
                                weight_spec)
 from k3jax.ops.mxfp4 import GROUP_SIZE, MXFP4, quantize_mxfp4_jax
-from k3jax.sharding import active_mesh_axes
+from k3jax.mesh import active_mesh_axes
 
 # The three routed-expert weights; w1/w3 map latent -> hidden, w2 hidden -> latent.
 ROLES = ("w1", "w2", "w3")

@@ -25,7 +25,7 @@ from flax import linen as nn
 from k3jax.config import VisionConfig
 from k3jax.layers.common import HIGHEST, logical, matrix_init
 from k3jax.layers.norms import RMSNorm
-from k3jax.model import InputError
+from k3jax.errors import InputError
 
 Grid = tuple[tuple[int, int, int], ...]
 

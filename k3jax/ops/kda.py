@@ -10,10 +10,10 @@ Implementations (all compute in fp32 and agree to the tolerances in DESIGN.md):
   "chunk"      the chunkwise UT/WY form (kda_chunk.py): a loop over blocks of whole chunks,
                each block's chunk terms from batched matmuls, the state carried through them.
   "assoc"      the same chunk terms, with every chunk's incoming state from an associative
-               scan of the per-chunk affine maps (kda_scan.py): logarithmic depth.
+               scan of the per-chunk affine maps (kda_assoc.py): logarithmic depth.
   "pallas"     Pallas kernels for the chunk terms and the state recurrence, forward and
                backward (pallas_kernels/kda); interpreted on CPU.
-Context parallelism over a mesh axis is `kda_scan.context_parallel_kda`.
+Context parallelism over a mesh axis is `kda_context.context_parallel_kda`.
 `kda_step` is the one-token decode update of the same recurrence.
 """
 
@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops import kda_chunk, kda_scan
+from k3jax.ops import kda_assoc, kda_chunk
 
 IMPLS = ("recurrent", "chunk", "assoc", "pallas")
 
@@ -187,7 +187,7 @@ def run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size, outputs=True,
     if impl == "recurrent":
         o, h = _recurrent(q, k, v, g, beta, h0, reset)
     elif impl == "assoc":
-        o, h = kda_scan.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size, gate_lower_bound)
+        o, h = kda_assoc.assoc_kda(q, k, v, g, beta, h0, reset, chunk_size, gate_lower_bound)
     else:
         from pallas_kernels.kda import pallas_kda  # Pallas is imported only when asked for
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kda_blocks import pair_join_mask, score_leaf
+
 # fp32 matmuls throughout: the state accumulates over the whole sequence and the decays
 # span many orders of magnitude, so bf16 passes (TPU default precision) are not enough.
 _PREC = jax.lax.Precision.HIGHEST
@@ -89,25 +91,6 @@ def _to_chunks(x, n_chunks, chunk_size):
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape(b, n_chunks, chunk_size, h, *x.shape[3:])
     return jnp.moveaxis(x, 3, 1)
-
-
-# Largest exponent a bounded gate may put into a leaf block's scores (its masked entries,
-# i < j, reach e^{(leaf−1)|lb|}): e^80 ≈ 5.5e34 leaves fp32 (max 3.4e38) four decades for
-# |q|·|k|.
-_MAX_FACTOR_EXPONENT = 80.0
-
-
-def score_leaf(gate_lower_bound, chunk_size):
-    """Tokens per leaf block of _intra_chunk_scores: 1 for a gate with no lower bound, else
-    the largest power of two s (at most the chunk, padded to a power of two) with
-    (s − 1)·|lb| <= _MAX_FACTOR_EXPONENT — 16 for K3's lb = −5."""
-    pow2 = 1 << (chunk_size - 1).bit_length()
-    if gate_lower_bound is None:
-        return 1
-    s = 1
-    while 2 * s <= pow2 and (2 * s - 1) * -gate_lower_bound <= _MAX_FACTOR_EXPONENT:
-        s *= 2
-    return s
 
 
 def _rows_dot_cols(a, b, col):
@@ -279,14 +262,6 @@ def _unit_lower_solve_bwd(res, dys):
 
 
 unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
-
-
-def pair_join_mask(row, col, s):
-    """For row and column indices (NumPy, or int32 iotas inside a Pallas kernel): within
-    each group of 2s rows and columns, the block of the group's upper-half rows and
-    lower-half columns (s a power of two; bit operations lower everywhere)."""
-    group = (2 * s).bit_length() - 1  # log2(2s)
-    return ((row >> group) == (col >> group)) & ((row & s) != 0) & ((col & s) == 0)
 
 
 def unit_lower_inverse(a):

@@ -186,8 +186,10 @@ def _with_lora(cfg, tc):
 
 
 def _data_path(path: str) -> str:
-    """Relative dataset paths resolve against the working directory, then the repo root
-    (so `k3jax train configs/toy.yaml` finds the shipped corpus from anywhere); URLs as given."""
+    """Relative dataset paths resolve against the working directory, then the directory
+    above the presets (the repository, or the installed package, which carries data/ as
+    k3jax/data: setup.py), so `k3jax train toy` finds the shipped corpus from anywhere;
+    URLs as given."""
     if rundir.is_url(path) or os.path.isabs(path) or os.path.exists(path):
         return path
     in_repo = os.path.join(os.path.dirname(CONFIG_DIR), path)

@@ -35,7 +35,8 @@ from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.model import InputError, K3Model, variables_of
 from k3jax.train import balancing
 from k3jax.train.muon import path_str, trained_mask
-from k3jax.vision.multimodal import VISION_KEY, check_media_rows, image_inputs, split_params
+from k3jax.vision.merge import check_media_rows
+from k3jax.vision.multimodal import VISION_KEY, image_inputs, split_params
 
 
 class TrainState(struct.PyTreeNode):

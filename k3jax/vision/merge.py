@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.errors import InputError
 from k3jax.layers.vision import VisionInputError
 
 
@@ -54,3 +55,14 @@ def merge_image_features(token_embeddings, tokens, features, media_pad_id: int):
     rows = jnp.minimum(jnp.asarray(feature_rows(tokens, media_pad_id)), features.shape[0] - 1)
     picked = jnp.take(jnp.asarray(features).astype(emb.dtype), jnp.maximum(rows, 0), axis=0)
     return jnp.where((rows >= 0)[..., None], picked, emb)
+
+
+def check_media_rows(tokens, pad_id: int, n_rows: int, valid=None) -> None:
+    """The `<|media_pad|>` count of concrete tokens must equal the projected feature rows."""
+    mask = np.asarray(tokens) == pad_id
+    if valid is not None:
+        mask &= np.asarray(valid, bool)
+    n = int(mask.sum())
+    if n != n_rows:
+        raise InputError(f"{n} <|media_pad|> ({pad_id}) position(s) but the images project to {n_rows} feature "
+                         f"row(s); expand the pads into each image's rows first (expand_prompts)")

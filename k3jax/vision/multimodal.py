@@ -29,7 +29,7 @@ from k3jax.layers.common import compute_dtype, param_dtype
 from k3jax.layers.vision import (Grid, KimiVision, check_grids, check_pixels, init_vision_params,
                                  rows_per_image)
 from k3jax.model import InputError, K3Model, init_params, validate_inputs, variables_of
-from k3jax.vision.merge import feature_rows
+from k3jax.vision.merge import check_media_rows, feature_rows
 from k3jax.vision.preprocess import MEDIA_PAD_TOKEN_ID
 
 VISION_KEY = "vision"
@@ -117,17 +117,6 @@ def expand_tokens(tokens, rows: Sequence[int], pad_id: int) -> np.ndarray:
     return np.stack(out).astype(tokens.dtype)
 
 
-def check_media_rows(tokens, pad_id: int, n_rows: int, valid=None) -> None:
-    """The `<|media_pad|>` count of concrete tokens must equal the projected feature rows."""
-    mask = np.asarray(tokens) == pad_id
-    if valid is not None:
-        mask &= np.asarray(valid, bool)
-    n = int(mask.sum())
-    if n != n_rows:
-        raise InputError(f"{n} <|media_pad|> ({pad_id}) position(s) but the images project to {n_rows} feature "
-                         f"row(s); expand the pads into each image's rows first (expand_prompts)")
-
-
 # ----------------------------------------------------------------------------- model side
 
 def image_inputs(cfg: ModelConfig, vcfg: VisionConfig, vision_params, pixels, grids: Grid, tokens,
@@ -168,22 +157,6 @@ def forward_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, tok
 def _forward_jit(cfg, vcfg, grids, text, vision, tokens, segment_ids, pixels, rows):
     feats = KimiVision(vcfg, compute_dtype(cfg)).apply({"params": vision}, pixels, grids)
     return K3Model(cfg).apply(variables_of(text), tokens, segment_ids, image_features=feats, feature_rows=rows)
-
-
-def generate_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, prompts, pixels, grid_thws,
-                         max_new_tokens: int, sampling=None, *, pad_id: int, **kw) -> list[list[int]]:
-    """`k3jax.infer.generate.generate` for prompts that carry images: the pads are expanded
-    (`expand_prompts`), the image features are computed once, prefill writes them into the
-    pad rows, and decode continues on the cache as for text. Returns the generated ids."""
-    from k3jax.infer.generate import generate
-    from k3jax.infer.sampling import SamplingParams
-
-    images = prepare_images(vcfg, pixels, grid_thws)
-    expanded = expand_prompts(prompts, images.rows, pad_id)
-    feats = image_features(cfg, vcfg, params, images)
-    text, _ = split_params(params)
-    return generate(cfg, text, [p.tolist() for p in expanded], max_new_tokens, sampling or SamplingParams(),
-                    image_features=feats, media_pad_id=pad_id, **kw)
 
 
 # ----------------------------------------------------------------------------- commands

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.ops import kda_chunk
+from pallas_kernels.kda_blocks import score_leaf
 from pallas_kernels.kda import bwd, bwd_terms, fwd
 
 SUB = fwd.SUB
@@ -145,7 +145,7 @@ def pallas_kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode="auto", 
         v = widen(v, -1, Vp - V)
         initial_state = widen(widen(initial_state, -1, Vp - V), -2, Kp - K)
     reset = jnp.asarray(reset, jnp.float32)  # a float so custom_vjp can give it a zero cotangent
-    bounded = kda_chunk.score_leaf(gate_lower_bound, SUB) >= SUB
+    bounded = score_leaf(gate_lower_bound, SUB) >= SUB
     o, h = _kda(q, k, v, g, beta, initial_state, reset, chunk_size, mode, layout, bounded)
     return o[..., :V], h[..., :K, :V]
 

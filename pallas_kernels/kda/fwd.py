@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from k3jax.ops.kda_chunk import pair_join_mask
+from pallas_kernels.kda_blocks import pair_join_mask
 
 MODES = ("interpret", "tpu", "triton")
 SUB = 16  # sub-chunk width: diagonal blocks are built column by column (or, under a gate
@@ -107,7 +107,7 @@ def _row(x, i):
 def sub_chunk_factors(G_I):
     """(e^{G_i − G_m}, e^{G_m − G_j}) on a sub-chunk's rows [SUB, K], through its middle row
     m: one matmul then scores the whole diagonal block. Only under a gate bounded below
-    (`bounded`, k3jax.ops.kda_chunk.score_leaf), where the factors stay within
+    (`bounded`, pallas_kernels.kda_blocks.score_leaf), where the factors stay within
     e^{±(SUB/2)|lb|} and their products within e^{(SUB−1)|lb|}, finite in fp32."""
     m = _row(G_I, SUB // 2)
     return jnp.exp(G_I - m), jnp.exp(m - G_I)

@@ -1,24 +1,12 @@
-"""KDA through chunk transitions: associative scan and context parallelism (SPEC.md §3).
+"""KDA over a device mesh (SPEC.md §3): context parallelism through segment maps.
 
-Each chunk (or a whole device's segment) acts on its incoming state as an affine map
-h ↦ M h + N, with M = Diag(e^{G_C}) − K̃ᵀW [K, K] and N = K̃ᵀU [K, V]. Composing an earlier
-map a with a later map b gives (M_b M_a, M_b N_a + N_b): associative, not commutative.
-
-- `assoc_kda` (kda(impl="assoc")): all chunk transitions at once, a
-  `jax.lax.associative_scan` for every chunk's incoming state in logarithmic depth, then
-  every chunk's output in one batched pass. No sequential loop over chunks at all, at the
-  price of K×K matrix products in the scan (worth it when the chunk loop, not the FLOPs,
-  bounds the time: long sequences on wide accelerators).
-- `context_parallel_kda`: the same idea across devices. Called inside `jax.shard_map`
-  with the time axis split over a mesh axis; each device reduces its segment to one
-  (M, N) pair with a pass of any impl, the fixed-size pairs are all-gathered and
-  prefix-combined, and each device finishes from its true incoming state. Communication
-  is O(K·(K+V)) per head and device, independent of the sequence length.
+- `context_parallel_kda`: called inside `jax.shard_map` with the time axis split over a
+  mesh axis; each device reduces its segment to one affine map (M, N) (kda_assoc.py) with
+  a pass of any impl, the fixed-size maps are all-gathered and prefix-combined, and each
+  device finishes from its true incoming state. Communication is O(K·(K+V)) per head and
+  device, independent of the sequence length.
 - `sharded_kda`: `kda` over a device mesh from outside any shard_map, each device its own
   slice of batch and heads (and of time, through context_parallel_kda).
-
-Inputs are fp32 and q carries the attention scale, as in kda_chunk; packed documents
-arrive as `reset` [B, T] bool.
 """
 
 from __future__ import annotations
@@ -27,71 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.ops import kda_chunk
-
-_PREC = jax.lax.Precision.HIGHEST
-
-
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=_PREC)
-
-
-def compose(a, b):
-    """(M, N) of `a` then `b` (a earlier): h ↦ M_b (M_a h + N_a) + N_b."""
-    m_a, n_a = a
-    m_b, n_b = b
-    return _einsum("...ij,...jk->...ik", m_b, m_a), _einsum("...ij,...jv->...iv", m_b, n_a) + n_b
-
-
-def terms_to_transitions(terms: kda_chunk.ChunkTerms):
-    """Per-chunk (M [..., K, K], N [..., K, V]) from chunk terms of shape [..., C, ·]."""
-    return kda_chunk._transitions(terms)
-
-
-def _apply(mn, h):
-    m, n = mn
-    return _einsum("...kj,...jv->...kv", m, h) + n
-
-
-def _chunk_outputs(terms: kda_chunk.ChunkTerms, h_in):
-    """Outputs of every chunk given its incoming state h_in [Z, K, V]; terms [Z, C, ·]."""
-    v_new = terms.u - _einsum("zck,zkv->zcv", terms.w, h_in)
-    return _einsum("zck,zkv->zcv", terms.q_decayed, h_in) + _einsum("zij,zjv->ziv", terms.p, v_new)
-
-
-def _prefix(terms):
-    """Inclusive prefix composition of the chunk maps along the chunk axis (2)."""
-    return jax.lax.associative_scan(compose, terms_to_transitions(terms), axis=2)
-
-
-def _local_scan(terms, h0, prefix):
-    """Outputs of every chunk, and the state after the last one.
-
-    terms are [B, H, N, ...], prefix = _prefix(terms); h0 [B, H, K, V].
-    Returns (outputs [B, H, N, C, V], final [B, H, K, V]).
-    """
-    B, H, N = terms.w.shape[:3]
-    after = _apply(prefix, h0[:, :, None])  # state after chunk n: [B, H, N, K, V]
-    h_in = jnp.concatenate([h0[:, :, None], after[:, :, :-1]], axis=2)
-    # The batched output products run on one flat axis Z = B·H·N (the jaxlib CPU gradient
-    # segfault with size-1 axes between larger ones, see kda_chunk.chunk_terms).
-    flat = lambda x: x.reshape(B * H * N, *x.shape[3:])  # noqa: E731
-    o = _chunk_outputs(jax.tree.map(flat, terms), flat(h_in))
-    return o.reshape(B, H, N, *o.shape[1:]), after[:, :, -1]
-
-
-def _untile(o, T):
-    """[B, H, N, C, V] -> [B, T, H, V]."""
-    B, H, N, C, V = o.shape
-    return jnp.transpose(o, (0, 2, 3, 1, 4)).reshape(B, N * C, H, V)[:, :T]
-
-
-def assoc_kda(q, k, v, g, beta, initial_state, reset, chunk_size, gate_lower_bound=None):
-    """Chunkwise KDA with an associative scan over chunks; fp32 in and out."""
-    T = q.shape[1]
-    terms = kda_chunk.chunk_terms(q, k, v, g, beta, reset, chunk_size, gate_lower_bound)
-    o, h = _local_scan(terms, initial_state, _prefix(terms))
-    return _untile(o, T), h
+from k3jax.ops import kda as kda_mod
+from k3jax.ops.kda_assoc import apply, compose
 
 
 def context_parallel_kda(
@@ -128,8 +53,6 @@ def context_parallel_kda(
       2. after the (M, N) pairs are all-gathered and prefix-combined, the outputs from
          this device's true incoming state.
     """
-    from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
-
     out_dtype = v.dtype
     # reset never marks the local t = 0 ...
     (q, k, v, g, beta), h0, reset, scale = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
@@ -161,7 +84,7 @@ def context_parallel_kda(
     # every device's outgoing state, and takes its predecessor's as its incoming one.
     gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), segment)  # [P, ...]
     prefix = jax.lax.associative_scan(compose, gathered, axis=0)
-    after = _apply(prefix, h0[None])  # state after device p: [P, B, H, K, V]
+    after = apply(prefix, h0[None])  # state after device p: [P, B, H, K, V]
     h_in = jnp.where(idx == 0, h0, after[jnp.maximum(idx - 1, 0)]) * keep
 
     o, _ = run(v, h_in)
@@ -190,8 +113,6 @@ def sharded_kda(q, k, v, g, beta, *, spec, mesh=None, segment_ids=None, initial_
     Other arguments are `kda`'s (initial_state [B, H, K, V] split like the heads). Returns
     (o split like v, final state or None).
     """
-    from k3jax.ops import kda as kda_mod  # kda.py imports this module; avoid the cycle
-
     batch, length, heads = (tuple(spec) + (None,) * 3)[:3]
     per_head, per_state = P(batch, length, heads), P(batch, heads)  # [B, T, H, ·], [B, H, ·]
 

@@ -1,0 +1,206 @@
+"""Meshes and logical-axis rules (the ground: imports nothing of k3jax but config).
+
+A mesh preset (`configs/meshes/NAME.yaml`) names the size of each mesh axis — `data`,
+`fsdp`, `expert`, `tensor`, `context` — within a slice (`ici`) and across slices (`dcn`),
+plus the rules table that maps the model's logical axis names (DESIGN.md) onto those mesh
+axes. The model code never names a mesh axis; swapping the preset is the whole change
+between 1 CPU device, 8 fake devices and a pod. Param shardings and sharded init live
+beside the model (k3jax.sharding).
+
+Typical use (what `k3jax train/logits/generate --mesh` call):
+
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
+    params = sharding.init_params_sharded(cfg, key, mesh, rules)
+    with use_mesh(mesh, rules):
+        logits = jax.jit(apply_fn)(params, tokens)            # 'ep' MoE dispatch sees the mesh
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import yaml
+from flax import linen as nn
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.config import CONFIG_DIR, ConfigError
+
+AXES = ("data", "fsdp", "expert", "tensor", "context")
+MESH_DIR = os.path.join(CONFIG_DIR, "meshes")
+LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "heads_x_dim", "head_dim", "kda_rank",
+                "conv", "q_lora", "kv_lora", "mlp", "latent", "expert", "layers")
+
+
+@dataclass(frozen=True)
+class MeshPreset:
+    """Axis sizes within a slice (`ici`, -1 = whatever devices are left) and across slices
+    (`dcn`), the logical-axis rules, and the per-device memory the planner assumes."""
+    name: str
+    ici: dict
+    dcn: dict = field(default_factory=dict)
+    rules: tuple = ()
+    device: str = ""
+    hbm_gib: float | None = None
+    train_preset: str | None = None   # the preset training on these devices uses instead
+
+    @property
+    def num_slices(self) -> int:
+        return math.prod(self.dcn.values()) if self.dcn else 1
+
+    def axis_order(self) -> tuple[str, ...]:
+        # Axes that cross slices go first: the slow DCN links then carry the outermost
+        # (least frequent, data-parallel-like) collectives, and create_hybrid_device_mesh
+        # lays out each such axis slice-major.
+        return tuple(a for a in AXES if self.dcn.get(a, 1) > 1) + tuple(a for a in AXES if self.dcn.get(a, 1) == 1)
+
+    def shape(self, n_devices: int | None = None) -> dict:
+        """Full axis sizes (ici × dcn), resolving one -1 from the device count."""
+        ici = dict(self.ici)
+        free = [a for a, s in ici.items() if s == -1]
+        if len(free) > 1:
+            raise ConfigError(f"mesh {self.name}: at most one axis may be -1, got {free}")
+        if free:
+            if n_devices is None:
+                raise ConfigError(f"mesh {self.name}: axis {free[0]!r} is -1; give a device count")
+            per_slice, rest = divmod(n_devices, self.num_slices * math.prod(s for s in ici.values() if s != -1))
+            if rest or per_slice < 1:
+                raise ConfigError(f"mesh {self.name}: {n_devices} devices do not divide into {ici} × {self.dcn}")
+            ici[free[0]] = per_slice
+        return {a: ici.get(a, 1) * self.dcn.get(a, 1) for a in AXES}
+
+    def ici_shape(self, n_devices: int | None = None) -> dict:
+        full = self.shape(n_devices)
+        return {a: full[a] // self.dcn.get(a, 1) for a in AXES}
+
+
+def _rules_from_yaml(name: str, table: dict) -> tuple:
+    unknown = sorted(set(table) - set(LOGICAL_AXES))
+    if unknown:
+        raise ConfigError(f"mesh {name}: unknown logical axes {unknown} (known: {LOGICAL_AXES})")
+    rules = []
+    for logical, mesh_axes in table.items():
+        axes = entry_axes(mesh_axes)
+        bad = [a for a in axes if a not in AXES]
+        if bad:
+            raise ConfigError(f"mesh {name}: rule {logical!r} names unknown mesh axes {bad}")
+        rules.append((logical, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(rules)
+
+
+def load_preset(preset_or_path) -> MeshPreset:
+    """A preset name from configs/meshes/ or a path to a YAML file."""
+    p = os.fspath(preset_or_path)
+    if not os.path.exists(p):
+        p = os.path.join(MESH_DIR, f"{preset_or_path}.yaml")
+    if not os.path.exists(p):
+        names = sorted(f[:-5] for f in os.listdir(MESH_DIR) if f.endswith(".yaml"))
+        raise ConfigError(f"no mesh preset {preset_or_path!r} (presets: {names})")
+    with open(p) as f:
+        d = yaml.safe_load(f) or {}
+    name = os.path.splitext(os.path.basename(p))[0]
+    unknown = sorted(set(d) - {"ici", "dcn", "rules", "device", "hbm_gib", "description", "train_preset"})
+    if unknown:
+        raise ConfigError(f"mesh {name}: unknown keys {unknown}")
+    for key in ("ici", "dcn"):
+        bad = sorted(set(d.get(key) or {}) - set(AXES))
+        if bad:
+            raise ConfigError(f"mesh {name}: {key} names unknown mesh axes {bad} (axes: {AXES})")
+    return MeshPreset(name, dict(d.get("ici") or {}), dict(d.get("dcn") or {}),
+                      _rules_from_yaml(name, d.get("rules") or {}), d.get("device", ""), d.get("hbm_gib"),
+                      d.get("train_preset"))
+
+
+def preset_for(preset_or_path, mode: str):
+    """The preset to use for `mode` ('train' | 'infer'): an inference preset may name the
+    layout training on the same devices uses (`train_preset:`)."""
+    preset = load_preset(preset_or_path)
+    if mode == "train" and preset.train_preset:
+        return load_preset(preset.train_preset)
+    return preset
+
+
+def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
+    order = preset.axis_order()
+    full, ici = preset.shape(len(devices)), preset.ici_shape(len(devices))
+    if math.prod(full.values()) != len(devices):
+        raise ConfigError(f"mesh {preset.name}: needs {math.prod(full.values())} devices, have {len(devices)}")
+    if preset.num_slices > 1 and hasattr(devices[0], "slice_index"):
+        from jax.experimental import mesh_utils
+        return mesh_utils.create_hybrid_device_mesh([ici[a] for a in order],
+                                                    [preset.dcn.get(a, 1) for a in order], devices)
+    if preset.num_slices > 1:
+        # No slice_index (CPU, single-slice GPU hosts): treat consecutive device groups as
+        # the slices, the same slice-major layout create_hybrid_device_mesh produces.
+        dcn = [preset.dcn.get(a, 1) for a in order]
+        grid = np.asarray(devices, dtype=object).reshape(dcn + [ici[a] for a in order])
+        n = len(order)
+        grid = grid.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
+        return grid.reshape([full[a] for a in order])
+    if physical and devices[0].platform != "cpu":
+        # topology-aware order on TPU / GPU; an error there is a real layout problem, so it
+        # propagates rather than silently falling back to a slow device order
+        from jax.experimental import mesh_utils
+        return mesh_utils.create_device_mesh([full[a] for a in order], devices)
+    return np.asarray(devices, dtype=object).reshape([full[a] for a in order])
+
+
+def load_mesh(preset_or_path, devices=None) -> tuple[Mesh, tuple]:
+    """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules) of a
+    preset name, YAML path or MeshPreset."""
+    preset = preset_or_path if isinstance(preset_or_path, MeshPreset) else load_preset(preset_or_path)
+    physical = devices is None
+    devices = jax.devices() if devices is None else list(devices)
+    grid = _device_grid(preset, devices, physical)
+    order = preset.axis_order()
+    # Auto axis types: sharding is propagated by XLA from the param shardings and the
+    # logical constraints in the model (with_sharding_constraint needs Auto axes).
+    return Mesh(grid, order, axis_types=(AxisType.Auto,) * len(order)), preset.rules
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules):
+    """Make `mesh` the context mesh and `rules` the logical-axis rules: the model's
+    activation constraints and the 'ep' MoE dispatch read both from here while tracing."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axis names of one rules / PartitionSpec entry: None, a name or a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def active_mesh_axes(logical: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the active rules (`use_mesh`) map these logical axes
+    to, in order, each once; () outside a mesh. Read while tracing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    sizes = dict(mesh.shape)
+    out = []
+    for entry in nn.logical_to_mesh_axes(logical) or ():
+        out += [a for a in entry_axes(entry) if sizes.get(a, 1) > 1 and a not in out]
+    return tuple(out)
+
+
+def fit_spec(shape, spec: P, sizes: dict) -> P:
+    """Drop mesh axes from dims they do not divide (e.g. 4 heads over tensor 8): such a dim
+    is replicated instead of unevenly padded, which shard_map and the planner can rely on."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        kept = []
+        for a in entry_axes(axes):
+            if dim % (math.prod(sizes[b] for b in kept) * sizes[a]) == 0:
+                kept.append(a)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*out)
+
+
+def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, length, ...] input under `rules`."""
+    axes = ("batch", "length") + (None,) * (ndim - 2)
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(axes, rules))
