@@ -104,12 +104,19 @@ def _merged_reference(base_dir, peft_tensors):
     return out
 
 
-def test_adapter_export_is_the_run_in_peft_form(fixture_b_run, tmp_path):
-    run, base = fixture_b_run
-    out = tmp_path / "adapter"
+@pytest.fixture(scope="module")
+def fixture_b_adapter(fixture_b_run):
+    """`k3jax export RUN OUT --adapter` of that run."""
+    run, _ = fixture_b_run
+    out = run.parent / "b-adapter"
     subprocess.run([sys.executable, "-m", "k3jax.cli", "export", str(run), str(out), "--adapter"],
                    check=True, cwd=ROOT, capture_output=True, timeout=600)
-    cfg, tensors = _peft(out)
+    return out
+
+
+def test_adapter_export_is_the_run_in_peft_form(fixture_b_run, fixture_b_adapter):
+    run, base = fixture_b_run
+    cfg, tensors = _peft(fixture_b_adapter)
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 4
     assert cfg["rank_pattern"] and set(cfg["rank_pattern"].values()) == {2}
     names = ShardedCheckpoint(base).keys()
@@ -155,20 +162,19 @@ def _bf16(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, tmp_path):
+def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixture_b_adapter, tmp_path):
     """--merge-lora writes the release's format: each adapted tensor is W + B·A stored as
     the release stores it (experts re-quantized to MXFP4, dense rounded to bf16), the
     router biases are the run's, and the report's re-quantization error is that of the
     bytes written. The reference is built in NumPy from the PEFT files alone."""
     run, base = fixture_b_run
-    adapter, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    for flags, out in ((["--adapter"], adapter), (["--merge-lora"], merged_dir)):
-        p = subprocess.run([sys.executable, "-m", "k3jax.cli", "export", str(run), str(out), *flags],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
+    merged_dir = tmp_path / "merged"
+    p = subprocess.run([sys.executable, "-m", "k3jax.cli", "export", str(run), str(merged_dir), "--merge-lora"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
     report = p.stdout
     rel_err = float(report.split("RMS error ")[1].split()[0])
-    _, tensors = _peft(adapter)
+    _, tensors = _peft(fixture_b_adapter)
     merged = _merged_reference(base, tensors)
     ckpt = ShardedCheckpoint(merged_dir)
     stored, err2, val2 = {}, 0.0, 0.0
