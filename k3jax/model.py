@@ -406,6 +406,12 @@ def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
 
 
 def _abstract_variables(cfg: ModelConfig):
+    # a fresh tree each call (callers may edit theirs) over one trace per config: ~5 s for K3
+    return jax.tree.map(lambda x: x, _traced_variables(cfg))
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_variables(cfg: ModelConfig):
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     key = jax.random.PRNGKey(0)
     cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
