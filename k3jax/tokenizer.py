@@ -75,7 +75,7 @@ def k3_special_tokens() -> list[dict]:
     with open(path, encoding="utf-8") as f:
         table = json.load(f)["tokens"]
     if len(table) != 256:
-        raise ValueError(f"{path}: expected 256 reserved tokens, found {len(table)}")
+        raise ConfigError(f"{path}: expected 256 reserved tokens, found {len(table)}")
     return table
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from k3jax.config import ModelConfig, VisionConfig
+from k3jax.config import ConfigError, ModelConfig, VisionConfig
 from k3jax.model import layer_plan
 
 # transforms (checkpoint -> tree):
@@ -49,7 +49,7 @@ def hf_prefixes(layout: str) -> tuple[str, str]:
         return "language_model.model.", "language_model.lm_head.weight"
     if layout == "kimi_linear":
         return "model.", "lm_head.weight"
-    raise ValueError(f"unknown checkpoint layout {layout!r} (expected 'k3' or 'kimi_linear')")
+    raise ConfigError(f"unknown checkpoint layout {layout!r} (expected 'k3' or 'kimi_linear')")
 
 
 def layer_location(cfg: ModelConfig, layer: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -32,6 +32,14 @@ import numpy as np
 
 from k3jax.errors import K3JaxError
 
+
+class MissingTensor(K3JaxError, KeyError):
+    """A tensor name a checkpoint does not hold (a KeyError too, for mapping-style callers)."""
+
+    def __str__(self):   # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 __all__ = [
     "SafetensorsError",
     "SafetensorsFile",
@@ -262,7 +270,7 @@ class SafetensorsFile:
         try:
             return self._entries[name]
         except KeyError:
-            raise KeyError(f"{self.path}: no tensor {name!r}") from None
+            raise MissingTensor(f"{self.path}: no tensor {name!r}") from None
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """``(dtype string, shape)`` from the header, without touching the data."""
@@ -476,7 +484,7 @@ class ShardedCheckpoint:
         try:
             return self._weight_map[name]
         except KeyError:
-            raise KeyError(f"{self.directory}: no tensor {name!r} in the checkpoint") from None
+            raise MissingTensor(f"{self.directory}: no tensor {name!r} in the checkpoint") from None
 
     def shards(self) -> dict[str, list[str]]:
         """Shard file name -> the tensor names it holds (sorted), for streaming shard by shard."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
-from k3jax.config import ModelConfig
+from k3jax.config import ConfigError, ModelConfig
 from k3jax.layers.common import (HIGHEST, compute_dtype, dense, logical, lora_a_init, lora_b_init, matrix_init,
                                  param_dtype)
 from k3jax.layout import layer_subpath
@@ -315,7 +315,7 @@ def experts_ep(cfg: ModelConfig, z, idx, w, weights, adapters, *, with_dropped: 
         return (y, jnp.zeros((), jnp.int32)) if with_dropped else y
     E = _num_experts(weights)
     if E % sizes["expert"]:
-        raise ValueError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
+        raise ConfigError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
     tensor = _tensor_axis(sizes, weights)
     # `expert` joins the token axes so that each expert shard holds different tokens.
     tok = _token_axes()
@@ -379,7 +379,7 @@ class StableLatentMoE(nn.Module):
             return self.param(role, init, shape, param_dtype(cfg)).astype(compute_dtype(cfg))
         E, n_in, n_out = shape
         if n_in % GROUP_SIZE:
-            raise ValueError(f"expert_format 'mxfp4': {role}'s input width {n_in} is not a multiple of "
+            raise ConfigError(f"expert_format 'mxfp4': {role}'s input width {n_in} is not a multiple of "
                              f"{GROUP_SIZE}")
         stored_axes = (axes[0], axes[2], axes[1])                 # [E, out, in/…]
 

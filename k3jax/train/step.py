@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from k3jax.config import ModelConfig, VisionConfig
+from k3jax.config import ConfigError, ModelConfig, VisionConfig
 from k3jax.layers.moe import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.model import InputError, K3Model, variables_of
@@ -197,7 +197,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     if vision is None:
         return jax.jit(train_step, donate_argnums=(0,))
     if media_pad_id is None:
-        raise ValueError("a train step with vision needs the config's media_pad_id")
+        raise ConfigError("a train step with vision needs the config's media_pad_id")
     jitted = jax.jit(train_step, donate_argnums=(0,), static_argnames="grids")
 
     def step(state: TrainState, batch):
