@@ -110,8 +110,15 @@ def plan_summary(rows) -> str:
         from k3jax.sharding import load_preset
         platform = load_preset(preset).device or re.split(r"[-x]", preset)[0]
         fits.setdefault((platform, mode, choice), []).append((p["devices"], preset, p["fits"]))
-    out = [f"- Training state is 12 bytes per parameter with AdamW (bf16 param + bf16 grad + fp32 m, v) "
-           f"and 8 with Muon on the matrices: {12 * params / 1e12:.1f} TB / {8 * params / 1e12:.1f} TB for K3."]
+    def state_per_param(optimizer):   # the planner's exact state bytes over every device
+        p = next(p for (_, mode, choice), p in rows if mode == "train" and choice == optimizer)
+        b = p["bytes_per_device"]
+        return (b["params"] + b["grads"] + b["optimizer"]) * p["devices"] / params
+
+    adamw, muon = state_per_param("adamw"), state_per_param("muon")
+    out = [f"- Training state is {adamw:.1f} bytes per parameter with AdamW (bf16 param, fp32 grad, fp32 m and v) "
+           f"and {muon:.1f} with Muon (one fp32 momentum on the matrices): {adamw * params / 1e12:.1f} TB / "
+           f"{muon * params / 1e12:.1f} TB for K3 (sharded, before activations)."]
     for (platform, mode, choice), entries in fits.items():
         ok = sorted(e for e in entries if e[2])
         what = f"{'Training' if mode == 'train' else 'Inference'} with {choice} on {platform}"
