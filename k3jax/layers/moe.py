@@ -23,6 +23,8 @@ from k3jax.layers.common import HIGHEST, compute_dtype, dense, logical, matrix_i
 from k3jax.layers.mlp import GatedMLP, glu_activation
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.grouped_matmul import grouped_matmul
+from k3jax.ops.moe_gather import experts_gather
+from k3jax.ops.platform import target_backend
 from k3jax.sharding import active_mesh_axes
 
 
@@ -152,7 +154,7 @@ def drops_pairs(cfg: ModelConfig) -> bool:
 def _a2a_mode() -> str:
     if EP_A2A != "auto":
         return EP_A2A
-    return "ragged" if jax.default_backend() in ("tpu", "gpu") else "padded"
+    return "ragged" if target_backend() in ("tpu", "gpu") else "padded"
 
 
 def _emulated_ragged_a2a(operand, output, in_off, send, out_off, recv, axis: str):
@@ -170,7 +172,9 @@ def _emulated_ragged_a2a(operand, output, in_off, send, out_off, recv, axis: str
 
 
 def _ragged_a2a(mode: str):
-    return jax.lax.ragged_all_to_all if mode == "ragged" else _emulated_ragged_a2a
+    if mode == "ragged":  # its axis_name is keyword-only
+        return lambda *args: jax.lax.ragged_all_to_all(*args[:6], axis_name=args[6])
+    return _emulated_ragged_a2a
 
 
 def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2, w3):
@@ -264,7 +268,9 @@ def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = 
     return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
 
 
-DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep}
+DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep,
+            # decode: only the chosen experts' weights are read (k3jax.ops.moe_gather)
+            "gather": lambda cfg, *a: experts_gather(*a, act=functools.partial(glu_activation, cfg))}
 
 
 class StableLatentMoE(nn.Module):

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.ops.platform import target_backend
+
 # fp32 matmuls throughout: the state accumulates over the whole sequence and the decays
 # span many orders of magnitude, so bf16 passes (TPU default precision) are not enough.
 _PREC = jax.lax.Precision.HIGHEST
@@ -388,9 +390,8 @@ BLOCK_TOKENS_ACCELERATOR = 512
 
 
 def block_tokens(backend=None):
-    """Tokens per block on `backend` (default: JAX's default backend, read at trace time,
-    so a `jax.export` for another platform gets this machine's blocks)."""
-    return BLOCK_TOKENS.get(backend or jax.default_backend(), BLOCK_TOKENS_ACCELERATOR)
+    """Tokens per block on `backend` (default: the traced program's target, `target_backend`)."""
+    return BLOCK_TOKENS.get(backend or target_backend(), BLOCK_TOKENS_ACCELERATOR)
 
 
 class _Blocks(NamedTuple):
