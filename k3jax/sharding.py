@@ -136,10 +136,12 @@ def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
     return np.asarray(devices, dtype=object).reshape([full[a] for a in order])
 
 
-def load_mesh(preset_or_path, devices=None) -> tuple[Mesh, tuple]:
-    """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules)."""
+def load_mesh(preset_or_path, devices=None, physical: bool | None = None) -> tuple[Mesh, tuple]:
+    """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules).
+    `physical`: lay TPU/GPU devices out by their topology (default: only for jax.devices());
+    ahead-of-time compiles pass a topology's devices with physical=True."""
     preset = load_preset(preset_or_path)
-    physical = devices is None
+    physical = devices is None if physical is None else physical
     devices = jax.devices() if devices is None else list(devices)
     grid = _device_grid(preset, devices, physical)
     order = preset.axis_order()

@@ -88,32 +88,63 @@ def _initial_params(cfg, tc, key, mesh=None):
     return init_params(cfg, key)
 
 
-def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
-    """(TrainState born sharded, the step jitted with that state's shardings pinned in and out).
+def optimizer_shardings(tx, abstract_params):
+    """The optimizer state's shardings: those XLA derives from the params' through the
+    optimizer's own reshapes (Muon's block views), read off a compiled update, so no
+    per-optimizer table has to be kept in step with the optimizer. `abstract_params`:
+    ShapeDtypeStructs carrying the params' shardings."""
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
+    return jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract_params).compile().output_shardings
+
+
+def sharded_train_step(mesh, abstract_params, tx, train_step, batch_sharding, opt_shardings=None):
+    """(TrainState of shardings, the step jitted with that state's shardings pinned in and out).
 
     Pinned so the step compiles once: left to propagation, the first call sees the state as
     created and later calls see what the step returned, which differ (the optimizer state
-    would even start replicated: its zeros carry no sharding of their own). The optimizer
-    state's shardings are those XLA derives from the params' through the optimizer's own
-    reshapes (Muon's block views), read off a compiled update: no per-optimizer table to
-    keep in step with the optimizer."""
+    would even start replicated: its zeros carry no sharding of their own). `k3jax compile`
+    lowers this same function for TPU topologies and GPU meshes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax.train.step import TrainState
     replicated = NamedSharding(mesh[0], P())
-    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
-    param_sh = jax.tree.map(lambda x: x.sharding, params)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    opt_sh = jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract).compile().output_shardings
+    param_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
+    opt_sh = optimizer_shardings(tx, abstract_params) if opt_shardings is None else opt_shardings
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
-    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
-                    out_shardings=state_sh)(params)
 
     def sharded_train_step(state, batch):
         return train_step(state, batch)
     step = jax.jit(sharded_train_step, in_shardings=(state_sh, batch_sharding),
                    out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    return state_sh, step
+
+
+def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
+    """(TrainState born sharded, the step jitted with its shardings: `sharded_train_step`)."""
+    from k3jax.train.step import TrainState
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    state_sh, step = sharded_train_step(mesh, abstract, tx, train_step, batch_sharding)
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
+                    out_shardings=state_sh)(params)
     return state, step
+
+
+def accum_batch_sharding(mesh):
+    """Sharding of the step's [grad_accum, batch, length] inputs under (mesh, rules)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax import sharding
+    return NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))
+
+
+def run_model_config(k3, tc: dict, mesh=None):
+    """The model config a run trains: the train config's runtime options, and 'ep' expert
+    dispatch when the mesh has an expert axis (experts live on it)."""
+    cfg = k3.text.with_runtime(**tc["runtime"])
+    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
+        cfg = cfg.with_runtime(moe_dispatch="ep")
+    return cfg
 
 
 def _barrier(name: str):
@@ -157,9 +188,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
     log = log if main else (lambda *_: None)
-    cfg = k3.text.with_runtime(**tc["runtime"])
-    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
-        cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
+    cfg = run_model_config(k3, tc, mesh)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     rundir.make_dirs(run_dir)
     if main:
@@ -179,10 +208,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         state = tstep.init_state(params, tx)
         place_batch = lambda b: b  # noqa: E731
     else:
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from k3jax import sharding
-        rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
+        rows = accum_batch_sharding(mesh)  # [accum, B, T]
         # every process computes the same global batch from (seed, step) and hands over
         # only the slices its own devices hold
         place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
