@@ -1,0 +1,76 @@
+"""The CLI's sharded steps lowered for CUDA on this CPU machine (`jax.export`), at the GPU
+presets' device counts: b300x8 in this session's 8 devices, h200x64 in a subprocess of 64."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from k3jax.aot import gpu, programs
+from k3jax.config import load_k3
+from k3jax.plan import PlanOptions
+from tests.helpers import ROOT
+
+
+def _check(exported, prog, args):
+    """Lowered for CUDA on the preset's device count, the inputs' shardings carried into the
+    exported module (Shardy's annotations) as the run gives them."""
+    assert exported.platforms == ("cuda",)
+    assert exported.nr_devices == prog.mesh.size
+    got = [s.spec for s in exported.in_shardings_jax(prog.mesh)]
+    want = [x.sharding.spec for x in jax.tree.leaves(args)]
+    assert [tuple(g) for g in got] == [tuple(w) + (None,) * (len(g) - len(w)) for g, w in zip(got, want)]
+    assert any(any(e is not None for e in g) for g in got)      # not all replicated
+
+
+def test_train_prefill_decode_lower_for_cuda_on_b300x8():
+    k3 = load_k3("toy")
+    devices = jax.devices()[:8]
+    with gpu.target("gpu"):
+        train = programs.train_program(k3, "b300x8", devices, PlanOptions(batch=8, seq=64, optimizer="muon"))
+    ex = gpu.export(train)
+    _check(ex, train, train.args)
+    # experts on the expert axis: the GPU program exchanges tokens with ragged_all_to_all
+    # (the CPU program would use a padded all_to_all)
+    assert "ragged_all_to_all" in ex.mlir_module()
+
+    pre, dec = programs.serve_programs(k3, "b300x8", devices, PlanOptions(mode="infer", batch=8, seq=64),
+                                       new_tokens=1)
+    ex_pre = gpu.export(pre)
+    _check(ex_pre, pre, pre.args[1:4])
+    dec = programs.with_cache(dec, pre.lower().compile())   # compiled for CPU, for the caches' shardings
+    ex_dec = gpu.export(dec)
+    _check(ex_dec, dec, dec.args[1:])
+
+
+def test_train_step_lowers_for_cuda_on_h200x64():
+    """The h200x64 training preset at its own device count (64, fsdp 8 x expert 8)."""
+    script = (
+        "import json, jax\n"
+        "from k3jax.aot import gpu, programs\n"
+        "from k3jax.config import load_k3\n"
+        "from k3jax.plan import PlanOptions\n"
+        "with gpu.target('gpu'):\n"
+        "    p = programs.train_program(load_k3('toy'), 'h200x64', jax.devices(), PlanOptions(batch=64, seq=32, optimizer='muon'))\n"
+        "ex = gpu.export(p)\n"
+        "print(json.dumps({'platforms': ex.platforms, 'devices': ex.nr_devices,\n"
+        "                  'ragged': 'ragged_all_to_all' in ex.mlir_module()}))\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"platforms": ["cuda"], "devices": 64, "ragged": True}
+
+
+@pytest.mark.parametrize("backend,blocks", [("gpu", 512), ("cpu", 128)])
+def test_target_backend_picks_the_forms(backend, blocks):
+    """What `gpu.target` changes while tracing: KDA's block length and MoE's exchange."""
+    from k3jax.layers import moe
+    from k3jax.ops import kda_chunk
+    with gpu.target(backend):
+        assert kda_chunk.block_tokens() == blocks
+        if moe.EP_A2A == "auto":
+            assert moe._a2a_mode() == ("ragged" if backend == "gpu" else "padded")
