@@ -14,8 +14,8 @@ Sections (each reported, a failure never stops the rest; a section that would st
                 on an H200 ≤ 3.3 ms.
   kda_backward  gradients of pallas vs chunk (relative RMS per input), forward+backward times.
   mxfp4_gmm     the fused MXFP4 grouped matmul (pallas_kernels/mxfp4_gmm) against its pure
-                path and bf16 grouped_matmul on the dequantized experts, K3's expert shapes;
-                skipped with the reason while that kernel is not in this tree.
+                path and bf16 grouped_matmul on the dequantized experts, K3's expert shapes
+                (a device's share: 56 experts of [3072, 3584]).
   toy_train     three steps of the real train step (toy config, kda_impl=pallas): losses
                 finite; step 1's loss equal to kda_impl=chunk's on the same params and batch.
   toy_decode    prefill + cached decode of the toy model (kda_impl=pallas): each decode
@@ -128,13 +128,9 @@ def section_kda_backward(a):
 
 
 def section_mxfp4_gmm(a):
-    import importlib.util
-    if importlib.util.find_spec("pallas_kernels.mxfp4_gmm") is None or \
-            importlib.util.find_spec("k3jax.ops.mxfp4_matmul") is None:
-        return {"skipped": "pallas_kernels/mxfp4_gmm is not in this tree yet (its helper's branch); "
-                           "this section runs it once it is"}
-    from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from k3jax.checkpoint.mxfp4 import quantize_mxfp4
     from k3jax.ops.grouped_matmul import grouped_matmul
+    from k3jax.ops.mxfp4 import dequantize_mxfp4
     from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
     E, N, K, M = a.gmm_experts, a.gmm_n, a.gmm_k, a.gmm_rows
     rng = np.random.default_rng(3)
@@ -192,7 +188,7 @@ def section_toy_train(a):
     ref = float(chunk_loss(params, batches[0]))
     tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
     step = tstep.make_train_step(cfg, tc, tx, groups)
-    state = tstep.init_state(params, tx)
+    state = tstep.init_state(params, tx, groups)
     losses, ts = [], []
     for b in batches:
         t0 = time.perf_counter()

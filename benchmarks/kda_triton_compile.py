@@ -104,6 +104,37 @@ def compile_ttir(paths, arch, num_warps):
                           "spill_bytes": int(spills.group(1)) if spills else None}), flush=True)
 
 
+def run_compile(paths, triton_python, arch, num_warps):
+    """Compile TTIR files under the Triton Python (this script's --compile stage) and print
+    one line per kernel; exits non-zero on a failure or a kernel over the shared-memory limit.
+    Also used by benchmarks/mxfp4_gmm_triton_compile.py."""
+    # A fresh Triton cache: a cached kernel would report no compile time.
+    cache = tempfile.mkdtemp(prefix="k3jax_triton_cache_")
+    proc = subprocess.Popen([triton_python, os.path.abspath(__file__), "--compile", *paths,
+                             "--arch", str(arch), "--num-warps", str(num_warps)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "TRITON_CACHE_DIR": cache})
+    bad = []
+    for line in proc.stdout:
+        r = json.loads(line)
+        name = os.path.basename(r["path"])[:-5]
+        if "error" in r:
+            bad.append(name)
+            print(f"{name:28s} FAILED {r['error']}")
+            continue
+        frac = r["shared"] / SHARED_LIMIT[arch]
+        if frac > 1:
+            bad.append(name)
+        print(f"{name:28s} {r['secs']:7.1f} s  shared {r['shared'] // 1024:4d} KiB = {frac:.2f} of the "
+              f"limit  {r['registers']} registers, {r['spill_bytes']} B spilled"
+              + ("  OVER THE LIMIT" if frac > 1 else ""))
+    proc.wait()
+    shutil.rmtree(cache, ignore_errors=True)
+    if proc.returncode != 0:
+        sys.exit(f"the Triton Python failed (exit {proc.returncode})")
+    if bad:
+        sys.exit(f"do not fit or do not compile: {', '.join(bad)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--triton-python", help="a Python with the `triton` package installed")
@@ -123,31 +154,7 @@ def main():
     print(f"{len(paths)} kernels (K = V = {args.K}, C = {args.C}) -> {args.out}; compiling for "
           f"sm_{args.arch}, {args.num_warps} warps, shared-memory limit "
           f"{SHARED_LIMIT[args.arch] // 1024} KiB")
-    # A fresh Triton cache: a cached kernel would report no compile time.
-    cache = tempfile.mkdtemp(prefix="k3jax_triton_cache_")
-    proc = subprocess.Popen([args.triton_python, os.path.abspath(__file__), "--compile", *paths,
-                             "--arch", str(args.arch), "--num-warps", str(args.num_warps)],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "TRITON_CACHE_DIR": cache})
-    bad = []
-    for line in proc.stdout:
-        r = json.loads(line)
-        name = os.path.basename(r["path"])[:-5]
-        if "error" in r:
-            bad.append(name)
-            print(f"{name:28s} FAILED {r['error']}")
-            continue
-        frac = r["shared"] / SHARED_LIMIT[args.arch]
-        if frac > 1:
-            bad.append(name)
-        print(f"{name:28s} {r['secs']:7.1f} s  shared {r['shared'] // 1024:4d} KiB = {frac:.2f} of the "
-              f"limit  {r['registers']} registers, {r['spill_bytes']} B spilled"
-              + ("  OVER THE LIMIT" if frac > 1 else ""))
-    proc.wait()
-    shutil.rmtree(cache, ignore_errors=True)
-    if proc.returncode != 0:
-        sys.exit(f"the Triton Python failed (exit {proc.returncode})")
-    if bad:
-        sys.exit(f"do not fit or do not compile: {', '.join(bad)}")
+    run_compile(paths, args.triton_python, args.arch, args.num_warps)
 
 
 if __name__ == "__main__":

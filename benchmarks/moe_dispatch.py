@@ -70,10 +70,10 @@ def main() -> int:
         fn = moe.DISPATCH[name]
 
         def fwd(z, idx, w, w1, w2, w3, fn=fn):
-            return fn(cfg, z, idx, w, w1, w2, w3)
+            return fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
 
         def train(z, idx, w, w1, w2, w3, fn=fn):
-            return jax.grad(lambda z, w1, w2, w3: jnp.sum(fn(cfg, z, idx, w, w1, w2, w3) ** 2),
+            return jax.grad(lambda z, w1, w2, w3: jnp.sum(fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {}) ** 2),
                             argnums=(0, 1, 2, 3))(z, w1, w2, w3)
         with sharding.use_mesh(mesh, rules):
             t_f = timed(jax.jit(fwd), args, a.repeats)

@@ -51,7 +51,7 @@ def bench_k3jax(cfg: ModelConfig, batch: int, seq: int, reps: int):
     tc = tconf.resolve({}, {"data": {"seq_len": seq, "batch_size": batch}})
     params = init_params(cfg, jax.random.PRNGKey(0))
     tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 100)
-    state = tstep.init_state(params, tx)
+    state = tstep.init_state(params, tx, groups)
     fn = tstep.make_train_step(cfg, tc, tx, groups)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, min(cfg.vocab_size, 256), (1, batch, seq + 1)).astype(np.int32)

@@ -21,10 +21,12 @@ from typing import Any
 
 import yaml
 
+from k3jax.errors import K3JaxError
+
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(K3JaxError):
     """A config key is unknown, missing or inconsistent; the message names it."""
 
 
@@ -65,6 +67,48 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
 
 KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
 MOE_DISPATCHES = ("dense", "ragged", "ep", "gather")
+EXPERT_FORMATS = ("bf16", "mxfp4")
+LORA_EXPERT_MODES = ("per_expert", "shared_a")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Which projections carry low-rank adapters and their size (resolved from the train
+    config's `lora:` section by `k3jax.lora`; never part of config.json).
+
+    `targets` are module paths inside a decoder layer ('self_attn/q_proj',
+    'block_sparse_moe/w1', 'block_sparse_moe/shared_experts/up_proj', ...): scanned layers
+    share one structure, so a target holds for every layer of a kind. A dense target adds
+    W + (alpha/rank)·A·B; a routed-expert target (w1/w2/w3) adds per expert
+    (alpha/expert_rank)·A_e·B_e, with one A for all experts under 'shared_a'.
+    """
+    rank: int
+    alpha: float
+    targets: frozenset = frozenset()
+    expert_rank: int | None = None          # None: `rank`
+    expert_mode: str = "per_expert"         # 'per_expert' | 'shared_a'
+
+    def __post_init__(self):
+        _check(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
+               "lora.rank", self.rank, "must be a positive integer (0 turns LoRA off)")
+        _check(self.alpha > 0, "lora.alpha", self.alpha, "must be positive")
+        er = self.expert_rank
+        _check(er is None or (isinstance(er, int) and not isinstance(er, bool) and er > 0),
+               "lora.expert_rank", er, "must be a positive integer or null (= rank)")
+        _check(self.expert_mode in LORA_EXPERT_MODES, "lora.expert_mode", self.expert_mode,
+               f"expected one of {LORA_EXPERT_MODES}")
+
+    def rank_of(self, target: str) -> int:
+        return (self.expert_rank or self.rank) if is_expert_target(target) else self.rank
+
+    def scale_of(self, target: str) -> float:
+        return self.alpha / self.rank_of(target)
+
+
+def is_expert_target(target: str) -> bool:
+    """A LoRA target (or param path) naming the stacked routed experts w1/w2/w3."""
+    parts = target.split("/")
+    return len(parts) >= 2 and parts[-2] == "block_sparse_moe" and parts[-1] in ("w1", "w2", "w3")
 
 
 @dataclass(frozen=True)
@@ -78,16 +122,34 @@ class RuntimeOptions:
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
+    # 'ep' receive buffers above this many MiB per device run the tokens in chunks
+    # (layers/moe.py ep_chunks); 0 = one exchange however large
+    ep_buffer_mib: float = 1024.0
+    # MLA over whole sequences runs its queries in blocks of this many tokens (0 = all at
+    # once): the fp32 scores alive at once are [heads, block, T], not [heads, T, T]
+    attention_q_block: int = 1024
     scan_layers: bool = True          # nn.scan over the repeated layer groups
     remat: str = "none"               # 'none' | 'full' | 'dots'
+    # routed experts held widened to param_dtype ('bf16') or as the checkpoint's own MXFP4
+    # bytes ('mxfp4': E2M1 codes + E8M0 scales, dequantized tile by tile inside the matmul;
+    # frozen, as integers have no gradient)
+    expert_format: str = "bf16"
+    lora: LoraSpec | None = None      # low-rank adapters (k3jax.lora); None = off
 
     def __post_init__(self):
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
         _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
                f"expected one of {MOE_DISPATCHES}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
+        _check(isinstance(self.attention_q_block, int) and self.attention_q_block >= 0, "attention_q_block",
+               self.attention_q_block, "must be a non-negative integer")
         _check(self.ep_capacity_factor >= 0, "ep_capacity_factor", self.ep_capacity_factor, "must be >= 0")
+        _check(self.ep_buffer_mib >= 0, "ep_buffer_mib", self.ep_buffer_mib, "must be >= 0")
         _check(self.remat in ("none", "full", "dots"), "remat", self.remat)
+        _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
+               f"expected one of {EXPERT_FORMATS}")
+        _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
+               "expected a LoraSpec (resolve a train config's lora: section with k3jax.lora)")
         for key in ("dtype", "param_dtype"):
             _check(getattr(self, key) in ("float32", "bfloat16", "float16"), key, getattr(self, key))
 
@@ -452,7 +514,8 @@ def preset_path(name: str) -> str:
 
 
 def load_k3(name_or_path) -> K3Config:
-    """A preset name (`k3`, `kimi_linear_48b`, `toy`), a YAML preset, a config.json or its folder."""
+    """A preset name (`k3`, `kimi_linear_48b`, `toy`), a YAML preset, a config.json or its folder.
+    A preset with `extends: NAME` takes its model from that preset and its own train: section."""
     p = os.fspath(name_or_path)
     if not os.path.exists(p) and os.path.exists(preset_path(p)):
         p = preset_path(p)
@@ -460,6 +523,12 @@ def load_k3(name_or_path) -> K3Config:
         presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
     d = dict(_read_json_or_dict(p))
+    if "extends" in d:   # `extends: k3`: the model of another preset (name or path), this train:
+        base = d.pop("extends")
+        _check(isinstance(base, str), "extends", base, "a preset name or a path")
+        near = os.path.join(os.path.dirname(p), base)
+        parent = load_k3(near if os.path.exists(near) else base)
+        d = {**parent.to_hf(), **d}
     train = d.pop("train", None) or {}
     _check(isinstance(train, dict), "train", type(train).__name__, "the train section must be a mapping")
     return dataclasses.replace(K3Config.from_hf(d), train=train)

@@ -19,7 +19,8 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.layers.attn_res import AttnRes, push_block
+from k3jax.errors import K3JaxError
+from k3jax.layers.attn_res import AttnRes, defer_block, flush_block, push_block
 from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
 from k3jax.layers.mla import GatedMLA
@@ -28,8 +29,20 @@ from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 
 
-class InputError(ValueError):
+class InputError(K3JaxError):
     """Model inputs that cannot be run: wrong shape, ids out of range, too long."""
+
+
+# LoRA adapters (RuntimeOptions.lora) are the flax collection 'lora', laid out like the
+# params they adapt; the user-facing param tree carries them under this top-level key.
+LORA_KEY = "lora"
+
+
+def variables_of(params) -> dict:
+    """Flax variables from a param tree that may hold adapters under LORA_KEY."""
+    if LORA_KEY not in params:
+        return {"params": params}
+    return {"params": {k: v for k, v in params.items() if k != LORA_KEY}, LORA_KEY: params[LORA_KEY]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,24 +84,46 @@ def layer_plan(cfg: ModelConfig, max_period: int = 8) -> LayerPlan:
                      tuple(range(start + n * p, L)))
 
 
+def slot_pushes(cfg: ModelConfig, plan: LayerPlan) -> tuple[bool, ...]:
+    """Per slot of the scanned group: whether any group's layer there starts an AttnRes block."""
+    if not cfg.use_attn_res:
+        return (False,) * plan.group_size
+    bs = cfg.attn_res_block_size
+    return tuple(any((plan.group_start + g * plan.group_size + j) % bs == 0 for g in range(plan.n_groups))
+                 for j in range(plan.group_size))
+
+
 # ---------------------------------------------------------------------------------------
 # Residual state
 # ---------------------------------------------------------------------------------------
 class Residual(NamedTuple):
     """p: the running partial sum [B, T, D] (the plain residual stream without AttnRes);
-    stack [N, B, T, D] and count: frozen block representations (empty without AttnRes)."""
+    stack [N, B, T, D] and count: frozen block representations (empty without AttnRes);
+    pending / has_pending: inside a scanned group, a block pushed but not yet written into
+    the stack (`attn_res.defer_block`; None elsewhere)."""
     p: jax.Array
     stack: jax.Array
     count: jax.Array
+    pending: jax.Array | None = None
+    has_pending: jax.Array | None = None
 
 
 class DecoderLayer(nn.Module):
     """One layer; returns (residual, cache update). With `cache` it continues cached
     sequences (see `K3Model`) and the update is the attention's new cache (KDA) or the new
-    tokens' latents (MLA); without, the update is None."""
+    tokens' latents (MLA); without, the update is None.
+
+    `may_push`: whether this layer can ever start an AttnRes block (False for a scanned
+    slot that no group's layer index puts on a block boundary); `defer`: push into
+    `pending` instead of the stack (scanned groups, which flush it at their end). Either
+    way the stack passes through the layer untouched, so under remat the layers of a group
+    save one stack between them instead of a fresh copy each: for K3 the backward keeps
+    27 stacks instead of 93."""
     cfg: ModelConfig
     attn_kind: str
     ffn_kind: str
+    may_push: bool = True
+    defer: bool = False
 
     @nn.compact
     def __call__(self, res: Residual, segment_ids, layer_idx, cache=None, pos=None):
@@ -98,10 +133,14 @@ class DecoderLayer(nn.Module):
                 else GatedMLA(cfg, name="self_attn"))
         ffn = (StableLatentMoE(cfg, name="block_sparse_moe") if self.ffn_kind == "moe"
                else GatedMLP(cfg, cfg.intermediate_size, name="mlp"))
-        p, stack, count = res
+        p, stack, count, pending, has_pending = res
         if cfg.use_attn_res:
-            attn_in = AttnRes(eps, name="self_attention_res")(stack, count, p)
-            stack, count, p = push_block(stack, count, p, layer_idx % cfg.attn_res_block_size == 0)
+            attn_in = AttnRes(eps, name="self_attention_res")(stack, count, p, pending, has_pending)
+            push = layer_idx % cfg.attn_res_block_size == 0
+            if self.may_push and self.defer:
+                pending, has_pending, p = defer_block(p, push)
+            elif self.may_push:
+                stack, count, p = push_block(stack, count, p, push)
         else:
             attn_in = p
         x = RMSNorm(eps, name="input_layernorm")(attn_in)
@@ -114,10 +153,10 @@ class DecoderLayer(nn.Module):
             a, entries = attn(x, cache=cache, lengths=pos[0])
             update = {"kv": entries}
         p = p + a
-        mlp_in = AttnRes(eps, name="mlp_res")(stack, count, p) if cfg.use_attn_res else p
+        mlp_in = AttnRes(eps, name="mlp_res")(stack, count, p, pending, has_pending) if cfg.use_attn_res else p
         p = p + ffn(RMSNorm(eps, name="post_attention_layernorm")(mlp_in))
         p = constrain(p, ("batch", "length", "embed"))
-        return Residual(p, stack, count), update
+        return Residual(p, stack, count, pending, has_pending), update
 
 
 def _remat(cls, cfg: ModelConfig):
@@ -129,20 +168,27 @@ def _remat(cls, cfg: ModelConfig):
 
 
 class LayerGroup(nn.Module):
-    """One repeated group; the scan body. Its sublayers are named by position in the group."""
+    """One repeated group; the scan body. Its sublayers are named by position in the group;
+    `pushes[j]`: whether slot j starts an AttnRes block in any of the groups."""
     cfg: ModelConfig
     kinds: tuple[tuple[str, str], ...]
+    pushes: tuple[bool, ...] = ()
 
     @nn.compact
     def __call__(self, res: Residual, segment_ids, first_layer_idx, cache=None, pos=None):
         layer_cls = _remat(DecoderLayer, self.cfg)
         updates = None if cache is None else {}
+        pushes = self.pushes or (True,) * len(self.kinds)
         for j, (attn_kind, ffn_kind) in enumerate(self.kinds):
             name = f"sub_{j}"
-            res, u = layer_cls(self.cfg, attn_kind, ffn_kind, name=name)(
+            if pushes[j] and res.pending is not None:   # a second push in one group: write the first
+                res = Residual(res.p, *flush_block(res.stack, res.count, res.pending, res.has_pending))
+            res, u = layer_cls(self.cfg, attn_kind, ffn_kind, pushes[j], True, name=name)(
                 res, segment_ids, first_layer_idx + j, None if cache is None else cache[name], pos)
             if cache is not None:
                 updates[name] = u
+        if res.pending is not None:
+            res = Residual(res.p, *flush_block(res.stack, res.count, res.pending, res.has_pending))
         return res, updates
 
 
@@ -187,7 +233,8 @@ class K3Model(nn.Module):
 
         def unrolled(res, i):
             name = f"layers_{i}"
-            res, u = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], name=name)(
+            may_push = cfg.use_attn_res and i % cfg.attn_res_block_size == 0
+            res, u = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], may_push, name=name)(
                 res, segment_ids, i, None if cache is None else cache[name], pos)
             if cache is not None:
                 updates[name] = u
@@ -197,11 +244,12 @@ class K3Model(nn.Module):
         for i in plan.head:
             res = unrolled(res, i)
         if plan.n_groups:
-            Scanned = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0},
-                              split_rngs={"params": True}, in_axes=(nn.broadcast, 0, 0, nn.broadcast),
+            Scanned = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0, LORA_KEY: 0},
+                              split_rngs={"params": True, LORA_KEY: True},
+                              in_axes=(nn.broadcast, 0, 0, nn.broadcast),
                               length=plan.n_groups, metadata_params={nn.PARTITION_NAME: "layers"})
             firsts = plan.group_start + plan.group_size * jnp.arange(plan.n_groups, dtype=jnp.int32)
-            res, u = Scanned(cfg, plan.group, name="groups")(
+            res, u = Scanned(cfg, plan.group, slot_pushes(cfg, plan), name="groups")(
                 res, segment_ids, firsts, None if cache is None else cache["groups"], pos)
             if cache is not None:
                 updates["groups"] = u
@@ -214,7 +262,9 @@ class K3Model(nn.Module):
             h = jnp.take_along_axis(h, last, axis=1)
             stack = jnp.take_along_axis(res.stack, last[None], axis=2) if res.stack.shape[0] else res.stack
             res = Residual(h, stack, res.count)
-        h = (AttnRes(cfg.rms_norm_eps, name="output_attn_res")(res.stack, res.count, res.p)
+        # rematerialised with the layers: left alone it would save fp32 copies of the whole stack
+        out_res = nn.remat(AttnRes) if cfg.runtime.remat != "none" else AttnRes
+        h = (out_res(cfg.rms_norm_eps, name="output_attn_res")(res.stack, res.count, res.p)
              if cfg.use_attn_res else res.p)
         h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
         if cfg.tie_word_embeddings:
@@ -290,14 +340,20 @@ def _init_key(seed):
     return jax.random.wrap_key_data(seed, impl="unsafe_rbg")
 
 
+# fold_in constant of the adapters' random stream: apart from every base stream
+_LORA_STREAM = 0x4C6F5241
+
+
 def init_params(cfg: ModelConfig, rng, length: int = 1):
-    """Random params (a plain pytree, logical-axis boxes removed), shaped like `K3Model`'s.
+    """Random params (a plain pytree, logical-axis boxes removed), shaped like `K3Model`'s,
+    with the LoRA adapters under LORA_KEY when `cfg.runtime.lora` is set.
 
     Layers are initialised per kind — every (attention, ffn) kind once, vmapped over all
     layers of that kind — instead of through one `K3Model.init`: random-number code is
     costly to compile on CPU, and this compiles it once per kind instead of once per
     unrolled layer. Layer i draws from a key derived from fold_in(rng, i), so values do
-    not depend on the scan plan.
+    not depend on the scan plan; adapters draw from their own stream, so the base is the
+    same with or without them.
     """
     plan = layer_plan(cfg)
     D = cfg.hidden_size
@@ -305,34 +361,77 @@ def init_params(cfg: ModelConfig, rng, length: int = 1):
     res = Residual(h, jnp.zeros((cfg.max_attn_res_blocks, 1, length, D), h.dtype), jnp.zeros((), jnp.int32))
 
     layers: dict[int, dict] = {}
+    adapters: dict[int, dict] = {}
     by_kind: dict[tuple[str, str], list[int]] = {}
     for i, kind in enumerate(zip(cfg.layer_kinds, cfg.ffn_kinds)):
         by_kind.setdefault(kind, []).append(i)
+    lora_rng = jax.random.fold_in(rng, _LORA_STREAM)
+
+    def init_layer(layer, s, ls):
+        v = nn.unbox(layer.init({"params": _init_key(s), LORA_KEY: _init_key(ls)}, res, None, 0))
+        return v["params"], v.get(LORA_KEY, {})
+
+    # Init traces each layer's forward under vmap (dead code XLA drops); the MoE's dense
+    # dispatch keeps that trace free of shard_map and Pallas, whose batching rules need
+    # not hold there. The dispatch is a runtime choice: the params are the same.
+    init_cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg
     for (attn_kind, ffn_kind), idx in by_kind.items():
-        layer = DecoderLayer(cfg, attn_kind, ffn_kind)
+        layer = DecoderLayer(init_cfg, attn_kind, ffn_kind)
         seeds = jnp.stack([_init_seed(rng, i) for i in idx])
-        stacked = jax.jit(jax.vmap(lambda s: nn.unbox(layer.init(_init_key(s), res, None, 0)["params"])))(seeds)
+        lora_seeds = jnp.stack([_init_seed(lora_rng, i) for i in idx])
+        stacked, stacked_lora = jax.jit(jax.vmap(functools.partial(init_layer, layer)))(seeds, lora_seeds)
         for n, i in enumerate(idx):
             layers[i] = jax.tree.map(lambda x: x[n], stacked)
+            adapters[i] = jax.tree.map(lambda x: x[n], stacked_lora)
 
     top_seed = _init_seed(rng, cfg.num_hidden_layers)
     params = jax.jit(lambda s: nn.unbox(_TopLevel(cfg).init(_init_key(s), h)["params"]))(top_seed)
-    params = dict(params)
-    for i in plan.head + plan.tail:
-        params[f"layers_{i}"] = layers[i]
-    if plan.n_groups:
-        params["groups"] = {
-            f"sub_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
-                                     *[layers[plan.group_start + g * plan.group_size + j] for g in range(plan.n_groups)])
-            for j in range(plan.group_size)}
+    params = _assemble(plan, dict(params), layers)
+    if cfg.runtime.lora is not None:
+        params[LORA_KEY] = _assemble(plan, {}, adapters)
     return params
 
 
-def abstract_params(cfg: ModelConfig):
-    """Param shapes and dtypes via `jax.eval_shape`: nothing is allocated."""
+def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
+    """Per-layer trees into the model's layout: `layers_{i}` unrolled, `groups/sub_{j}`
+    stacked over the scanned groups (subtrees left empty by a layer are omitted)."""
+    for i in plan.head + plan.tail:
+        if layers[i]:
+            tree[f"layers_{i}"] = layers[i]
+    if plan.n_groups:
+        groups = {}
+        for j in range(plan.group_size):
+            members = [layers[plan.group_start + g * plan.group_size + j] for g in range(plan.n_groups)]
+            if members[0]:
+                groups[f"sub_{j}"] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+        if groups:
+            tree["groups"] = groups
+    return tree
+
+
+def _abstract_variables(cfg: ModelConfig):
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    boxed = jax.eval_shape(lambda t: K3Model(cfg).init(jax.random.PRNGKey(0), t), tokens)["params"]
-    return boxed
+    cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
+
+    def init(t):
+        # the key made inside the trace: nothing runs eagerly, so a context mesh over devices
+        # that cannot execute (a TPU topology compiled for on a CPU host) is never asked to
+        key = jax.random.PRNGKey(0)
+        return K3Model(cfg).init({"params": key, LORA_KEY: key}, t)
+    return jax.eval_shape(init, tokens)
+
+
+def abstract_params(cfg: ModelConfig):
+    """The base param shapes and dtypes (logical-axis boxes kept) via `jax.eval_shape`:
+    nothing is allocated. Adapters are `abstract_adapters`."""
+    return _abstract_variables(cfg)["params"]
+
+
+def abstract_adapters(cfg: ModelConfig):
+    """The LoRA adapters' shapes and logical axes ({} without `cfg.runtime.lora`)."""
+    if cfg.runtime.lora is None:
+        return {}
+    return _abstract_variables(cfg).get(LORA_KEY, {})
 
 
 def forward(cfg: ModelConfig, params, tokens, segment_ids=None):
@@ -343,4 +442,4 @@ def forward(cfg: ModelConfig, params, tokens, segment_ids=None):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_jit(cfg, params, tokens, segment_ids):
-    return K3Model(cfg).apply({"params": params}, tokens, segment_ids)
+    return K3Model(cfg).apply(variables_of(params), tokens, segment_ids)

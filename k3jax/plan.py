@@ -7,6 +7,7 @@ policy; caches are exact. Nothing is allocated, so this runs for full K3 on a la
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ from k3jax.config import ModelConfig
 from k3jax.sharding import MeshPreset, entry_axes, fit_spec
 
 GIB = 1 << 30
-MXFP4_BYTES = 17 / 32   # 4-bit E2M1 value + one E8M0 scale byte per 32 (SPEC.md §6)
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class PlanOptions:
     moe_dispatch: str = "ep"
     ep_capacity_factor: float = 0.0  # RuntimeOptions.ep_capacity_factor: 0 = dropless
     prefill_chunk: int = 2048        # infer: tokens per device per prefill step
+    lora_rank: int = 0               # train config lora.rank (0 = full fine-tuning)
+    lora_expert_rank: int | None = None
+    lora_expert_mode: str = "per_expert"
+    lora_targets: tuple[str, ...] | None = None   # None: k3jax.lora.DEFAULT_TARGETS
+    lora_optimizer: str = "adamw"
+    freeze: tuple[str, ...] = ()     # optimizer.freeze globs
 
 
 def _sizes(spec, sizes: dict) -> int:
@@ -46,42 +52,52 @@ def _sizes(spec, sizes: dict) -> int:
     return n
 
 
-def _is_expert(path) -> bool:
-    return path[-1] in ("w1", "w2", "w3")
-
-
-def _uses_muon(path, names) -> bool:
-    # Per-Head Muon orthogonalises hidden weight matrices; embeddings, lm_head and vectors
-    # (norms, biases, gates' scalars) stay on AdamW, as in Moonshot's recipe.
-    core = [n for n in names if n not in ("layers", "expert")]
-    return len(core) >= 2 and path[0] not in ("embed_tokens", "lm_head")
-
-
 @functools.lru_cache(maxsize=8)
 def _abstract(cfg: ModelConfig):
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
+    boxed = abstract_params(cfg)     # ~5 s for full K3 (tracing only): cached per config
+    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
+
+
+def run_config(cfg: ModelConfig, opt: PlanOptions) -> ModelConfig:
+    """The model config the planned run uses: param dtype, expert format, LoRA adapters."""
+    cfg = cfg.with_runtime(param_dtype=opt.param_dtype, expert_format=opt.expert_format)
+    if opt.mode != "train" or not opt.lora_rank:
+        return cfg
     from k3jax.model import abstract_params
-    return abstract_params(cfg)     # ~5 s for full K3 (tracing only): cached per config
+    from k3jax import lora
+    section = {"rank": opt.lora_rank, "expert_rank": opt.lora_expert_rank, "expert_mode": opt.lora_expert_mode,
+               "targets": list(opt.lora_targets) if opt.lora_targets is not None else None}
+    return cfg.with_runtime(lora=lora.resolve(section, cfg, abstract_params(cfg)))
 
 
 def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
-    """Exact per-device bytes of params, gradients and optimizer state."""
+    """Exact per-device bytes of params, gradients and optimizer state, as the train step
+    holds them: params as stored (MXFP4 experts as their uint8 bytes, adapters included),
+    fp32 gradients and optimizer state for the trained params only (the groups of
+    `k3jax.train.muon`: no frozen param, router bias or MXFP4 byte has either)."""
+    from k3jax.train import muon
     sizes = preset.shape(opt.devices)
-    boxed = _abstract(cfg.with_runtime(param_dtype=opt.param_dtype))
+    run = run_config(cfg, opt)
+    boxed = _abstract(run)
     names = nn.get_partition_spec(boxed)
     mesh_specs = nn.logical_to_mesh(names, preset.rules)
-    out = dict(params=0, grads=0, optimizer=0)
-    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(boxed))
-    flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    shapes = nn.unbox(boxed)
+    groups = jax.tree.leaves(muon.param_groups(run, shapes, opt.freeze))
+    out = dict(params=0, grads=0, optimizer=0, adapters=0)
+    leaves = jax.tree_util.tree_leaves_with_path(shapes)
     flat_specs = jax.tree.leaves(mesh_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    for (path, leaf), lnames, spec in zip(leaves, flat_names, flat_specs):
-        keys = tuple(k.key for k in path)
+    for (path, leaf), spec, group in zip(leaves, flat_specs, groups):
         local = math.prod(leaf.shape) // _sizes(fit_spec(leaf.shape, spec, sizes), sizes)
-        width = np.dtype(leaf.dtype).itemsize
-        stored = MXFP4_BYTES if opt.expert_format == "mxfp4" and _is_expert(keys) else width
-        out["params"] += local * stored
-        out["grads"] += local * width
-        muon = opt.optimizer == "muon" and _uses_muon(keys, tuple(lnames))
-        out["optimizer"] += local * (4 if muon else 8)
+        out["params"] += local * np.dtype(leaf.dtype).itemsize
+        if getattr(path[0], "key", None) == "lora":
+            out["adapters"] += local * np.dtype(leaf.dtype).itemsize
+        if opt.mode != "train" or group not in muon.TRAINED:
+            continue
+        out["grads"] += local * 4
+        momentum_only = (group in muon.MUON_GROUPS and opt.optimizer == "muon") or (
+            group == "lora" and opt.lora_optimizer == "muon")
+        out["optimizer"] += local * (4 if momentum_only else 8)
     return {k: int(v) for k, v in out.items()}
 
 
@@ -107,7 +123,9 @@ def layer_values(cfg: ModelConfig, kind: tuple[str, str], T: int, tp: int) -> di
         hv = H * cfg.v_head_dim
         dots += (cfg.q_lora_rank or 0) + (H * cfg.q_head_dim + H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
                                           + hv) / tp + cfg.mla_cache_dim + D
-        other += (H * cfg.q_head_dim * 2 + 2 * hv) / tp + 2 * 2 * H * T / tp   # q/k concat; fp32 scores + probs
+        # q/k concat; fp32 scores + probs of one query block (RuntimeOptions.attention_q_block)
+        block = min(T, cfg.runtime.attention_q_block or T)
+        other += (H * cfg.q_head_dim * 2 + 2 * hv) / tp + 2 * 2 * H * block / tp
     if ffn == "moe":
         k, F, Hl, Fs = cfg.num_experts_per_token, cfg.moe_intermediate_size, cfg.moe_hidden_size, cfg.shared_intermediate_size
         dots += 2 * 2 * cfg.num_experts + Hl + k * (2 * F / tp + Hl) + D + 2 * Fs / tp + D
@@ -117,6 +135,35 @@ def layer_values(cfg: ModelConfig, kind: tuple[str, str], T: int, tp: int) -> di
         other += cfg.intermediate_size / tp
     other += 4 * D                                               # two RMSNorms, two AttnRes mixes
     return {"dots": dots, "all": dots + other}
+
+
+def saved_carry_values(cfg: ModelConfig) -> int:
+    """Values per token the residual carry leaves saved for the backward whatever the remat
+    policy: each layer's input partial sum, and with Block AttnRes the block stacks layers
+    read (max_attn_res_blocks × D each). A scanned group's layers share the stack they got
+    (pushes are deferred to the group's end, `attn_res.defer_block`), plus one pending block
+    per slot that can push, a second push in a group writing the first out (one more
+    stack); unrolled layers are counted one stack each."""
+    from k3jax.model import layer_plan, slot_pushes
+    D = cfg.hidden_size
+    if not cfg.use_attn_res:
+        return D * cfg.num_hidden_layers
+    plan = layer_plan(cfg)
+    pushes = sum(slot_pushes(cfg, plan)) if plan.n_groups else 0
+    stacks = len(plan.head) + len(plan.tail) + plan.n_groups * max(1, pushes)
+    return D * cfg.num_hidden_layers + cfg.max_attn_res_blocks * D * stacks + D * plan.n_groups * pushes
+
+
+def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int) -> float:
+    """Values per device of one 'ep' exchange's worst-case buffers: the receive rows and their
+    results ([rows, latent] each) and the expert FFN's gate, up and activation over them
+    ([rows, hidden / tp]), for the chunk `layers.moe.ep_chunks` gives."""
+    from k3jax.layers.moe import ep_chunks, ep_receive_rows
+    n = max(int(math.ceil(tokens)), 1)
+    k, H = cfg.num_experts_per_token, cfg.moe_hidden_size
+    chunk = -(-n // ep_chunks(n, k, P, H, width, cfg))
+    rows = ep_receive_rows(chunk * k, P, cfg.runtime.ep_capacity_factor)
+    return rows * (2 * H + 3 * cfg.moe_intermediate_size / tp)
 
 
 def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:
@@ -132,28 +179,28 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     width = np.dtype(cfg.runtime.dtype if opt.param_dtype == "float32" else "bfloat16").itemsize
     per_layer = [layer_values(cfg, kd, T_local, tp) for kd in kinds]
     peak_layer = max(v["all"] for v in per_layer) * tokens * width
-    # The residual carry is saved at every layer whatever the policy; with Block AttnRes it
-    # includes the block stack (max_attn_res_blocks × D per token), the largest fixed term.
-    carry = (1 + cfg.max_attn_res_blocks) * cfg.hidden_size
-    saved_per_token = {"full": carry * len(kinds),
-                       "dots": sum(v["dots"] for v in per_layer) + carry * len(kinds),
-                       "none": sum(v["all"] for v in per_layer) + carry * len(kinds)}[opt.remat]
-    # 'ep' receive buffers, once as input and once as result (ragged_all_to_all, TPU/GPU):
-    # dropless, one device may receive every pair of every peer (P × tokens × k rows); with
-    # a capacity factor c, c × tokens × k rows (layers/moe.py).
+    carry = saved_carry_values(cfg)
+    saved_per_token = {"full": carry,
+                       "dots": sum(v["dots"] for v in per_layer) + carry,
+                       "none": sum(v["all"] for v in per_layer) + carry}[opt.remat]
+    # 'ep' buffers (ragged_all_to_all, TPU/GPU): dropless, one device may receive every pair
+    # of every peer (P × tokens × k rows); with a capacity factor c, c × tokens × k rows;
+    # either way a device's tokens go through in chunks that keep the receive buffer
+    # within RuntimeOptions.ep_buffer_mib (layers/moe.py).
     P = sizes.get("expert", 1)
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
-        from k3jax.layers.moe import ep_receive_rows
-        rows = ep_receive_rows(tokens * cfg.num_experts_per_token, P, opt.ep_capacity_factor)
-        moe_buffer = 2 * rows * cfg.moe_hidden_size * width
+        run = cfg.with_runtime(ep_capacity_factor=opt.ep_capacity_factor)
+        moe_buffer = moe_buffer_values(run, tokens, P, tp, width) * width
     vocab_local = cfg.vocab_size / _shards(rules, sizes, ("vocab",))
     logits = 2 * tokens * vocab_local * 4   # fp32 logits + grad
     # TokenEmbed gathers the embed-sharded table for the lookup, and in training the lookup's
     # backward scatter-adds into a whole fp32 table before it reduces onto the shards.
     embed_table = 0
     if _shards(rules, sizes, ("embed",)) > 1:
-        embed_table = vocab_local * cfg.hidden_size * (width + (4 if opt.mode == "train" else 0))
+        trained = opt.mode == "train" and not opt.lora_rank and not any(
+            fnmatch.fnmatchcase("embed_tokens/embedding", g) for g in opt.freeze)
+        embed_table = vocab_local * cfg.hidden_size * (width + (4 if trained else 0))
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2),
                 "embed_table": int(embed_table)}
@@ -175,6 +222,10 @@ def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: i
 
 
 def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> dict:
+    """The per-device plan. In train mode an inference preset that names a `train_preset`
+    (e.g. b300x8 -> b300x8_train) is planned with that layout, as `k3jax train` runs it."""
+    from k3jax.sharding import preset_for
+    preset = preset_for(preset.name, opt.mode) if preset.train_preset and opt.mode == "train" else preset
     sizes = preset.shape(opt.devices)
     batch = opt.batch or _shards(preset.rules, sizes, ("batch",))
     state = state_bytes(cfg, preset, opt)
@@ -193,6 +244,7 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
         "mesh": preset.name, "mesh_shape": {a: s for a, s in sizes.items() if s > 1},
         "devices": math.prod(sizes.values()), "mode": opt.mode, "batch": batch, "seq": opt.seq,
         "remat": opt.remat, "optimizer": opt.optimizer, "expert_format": opt.expert_format,
+        "lora_rank": opt.lora_rank, "ep_buffer_mib": cfg.runtime.ep_buffer_mib,
         "params": int(total_params),
         "mla_cache_values_per_token": n_mla * cfg.mla_cache_dim,
         "kda_state_values_per_sequence": n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim,

@@ -44,6 +44,7 @@ class MeshPreset:
     rules: tuple = ()
     device: str = ""
     hbm_gib: float | None = None
+    train_preset: str | None = None   # the preset training on these devices uses instead
 
     @property
     def num_slices(self) -> int:
@@ -100,7 +101,7 @@ def load_preset(preset_or_path) -> MeshPreset:
     with open(p) as f:
         d = yaml.safe_load(f) or {}
     name = os.path.splitext(os.path.basename(p))[0]
-    unknown = sorted(set(d) - {"ici", "dcn", "rules", "device", "hbm_gib", "description"})
+    unknown = sorted(set(d) - {"ici", "dcn", "rules", "device", "hbm_gib", "description", "train_preset"})
     if unknown:
         raise ConfigError(f"mesh {name}: unknown keys {unknown}")
     for key in ("ici", "dcn"):
@@ -108,7 +109,17 @@ def load_preset(preset_or_path) -> MeshPreset:
         if bad:
             raise ConfigError(f"mesh {name}: {key} names unknown mesh axes {bad} (axes: {AXES})")
     return MeshPreset(name, dict(d.get("ici") or {}), dict(d.get("dcn") or {}),
-                      _rules_from_yaml(name, d.get("rules") or {}), d.get("device", ""), d.get("hbm_gib"))
+                      _rules_from_yaml(name, d.get("rules") or {}), d.get("device", ""), d.get("hbm_gib"),
+                      d.get("train_preset"))
+
+
+def preset_for(preset_or_path, mode: str):
+    """The preset to use for `mode` ('train' | 'infer'): an inference preset may name the
+    layout training on the same devices uses (`train_preset:`)."""
+    preset = load_preset(preset_or_path)
+    if mode == "train" and preset.train_preset:
+        return load_preset(preset.train_preset)
+    return preset
 
 
 def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
@@ -132,15 +143,23 @@ def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
         # topology-aware order on TPU / GPU; an error there is a real layout problem, so it
         # propagates rather than silently falling back to a slow device order
         from jax.experimental import mesh_utils
-        return mesh_utils.create_device_mesh([full[a] for a in order], devices)
+        shape = [full[a] for a in order]
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except NotImplementedError:
+            # an axis that is no product of whole torus axes (v5p-1024-cp4's context 4 on an
+            # 8x8x8 torus): split a physical axis, which keeps each mesh axis on a contiguous
+            # ring of chips (found compiling v5p-1024-cp4 for v5p:8x8x8 ahead of time)
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return np.asarray(devices, dtype=object).reshape([full[a] for a in order])
 
 
 def load_mesh(preset_or_path, devices=None, physical: bool | None = None) -> tuple[Mesh, tuple]:
-    """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules).
-    `physical`: lay TPU/GPU devices out by their topology (default: only for jax.devices());
-    ahead-of-time compiles pass a topology's devices with physical=True."""
-    preset = load_preset(preset_or_path)
+    """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules) of a
+    preset name, YAML path or MeshPreset. `physical`: lay TPU/GPU devices out by their
+    topology (default: only for jax.devices()); ahead-of-time compiles pass a topology's
+    devices with physical=True."""
+    preset = preset_or_path if isinstance(preset_or_path, MeshPreset) else load_preset(preset_or_path)
     physical = devices is None if physical is None else physical
     devices = jax.devices() if devices is None else list(devices)
     grid = _device_grid(preset, devices, physical)
@@ -196,9 +215,12 @@ def logical_specs(cfg) -> dict:
 
 
 def param_shardings(cfg, mesh: Mesh, rules) -> dict:
-    """NamedSharding per param (same tree as `init_params`), from the logical names."""
-    from k3jax.model import abstract_params
+    """NamedSharding per param (same tree as `init_params`, adapters included), from the
+    logical names."""
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
     boxed = abstract_params(cfg)
+    if cfg.runtime.lora is not None:
+        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
     specs = nn.get_partition_spec(boxed)
     # plain unwrap: nn.unbox would apply sharding constraints to shapes under a context mesh
     shapes = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))

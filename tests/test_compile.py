@@ -104,11 +104,21 @@ def _deep_toy(groups: int):
     cfg = k3.text
     plan_kinds = list(zip(cfg.layer_kinds, cfg.ffn_kinds))
     head, group, tail = plan_kinds[:4], plan_kinds[4:8], plan_kinds[12:]
-    kinds = head + group * groups + tail
-    cfg = cfg.replace(num_hidden_layers=len(kinds), hf_extra={}, hf_keys=(),
-                      kda_layers=tuple(i + 1 for i, (a, _) in enumerate(kinds) if a == "kda"),
-                      full_attn_layers=tuple(i + 1 for i, (a, _) in enumerate(kinds) if a == "mla"))
-    return dataclasses.replace(k3, text=cfg)
+    return dataclasses.replace(k3, text=_with_kinds(cfg, head + group * groups + tail))
+
+
+def _with_kinds(cfg, kinds):
+    return cfg.replace(num_hidden_layers=len(kinds), hf_extra={}, hf_keys=(),
+                       kda_layers=tuple(i + 1 for i, (a, _) in enumerate(kinds) if a == "kda"),
+                       full_attn_layers=tuple(i + 1 for i, (a, _) in enumerate(kinds) if a == "mla"))
+
+
+def _kda_toy(groups: int):
+    """The toy's widths with no head or tail: `groups` KDA+MoE layers, each its own scanned
+    group, the smallest model whose depth is all scanned group (cheap compiles)."""
+    k3 = load_k3("toy")
+    cfg = k3.text.replace(first_k_dense_replace=0, attn_res_block_size=2)
+    return dataclasses.replace(k3, text=_with_kinds(cfg, [("kda", "moe")] * groups))
 
 
 def test_reduced_depth_keeps_the_plan_and_the_attn_res_stack():
@@ -125,12 +135,14 @@ def test_reduced_depth_keeps_the_plan_and_the_attn_res_stack():
 def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     """The compiled step's memory terms, FLOPs and HBM bytes are linear in the group count:
     extrapolating from 2 and 3 groups predicts what compiling 4 groups gives."""
-    full = _deep_toy(4)
-    opt = PlanOptions(mode="infer", batch=2, seq=64, prefill_chunk=64, param_dtype="float32")
+    full = _kda_toy(4)
+    opt = PlanOptions(mode="infer", batch=2, seq=32, prefill_chunk=32, param_dtype="float32")
     devices = jax.devices()[:1]
 
     def figures(k3):
-        fig, _ = report.measure(serve_programs(k3, "fsdp", devices, opt)[0], log=lambda *_: None)
+        # the recurrent KDA and the every-expert MoE: the smallest programs (compile time)
+        prog = serve_programs(k3, "fsdp", devices, opt, runtime={"kda_impl": "recurrent", "moe_dispatch": "dense"})[0]
+        fig, _ = report.measure(prog, log=lambda *_: None)
         return {"flops": fig["flops"], "hbm_bytes": fig["hbm_bytes"],
                 **{k: fig["memory"][k] for k in ("arguments", "outputs", "temporaries", "total")}}
 
@@ -141,30 +153,43 @@ def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     assert compiled["flops"] > f3["flops"] > f2["flops"]    # the depth is really in the figures
 
 
-@pytest.mark.parametrize("preset,n", [(None, 2), ("expert8", 2), ("fsdp2_expert2_tensor2", 3)])
-def test_gather_dispatch_matches_dense(preset, n):
-    """The decode dispatch against every-expert einsum (moe 'dense', the oracle), with fewer
-    pairs than experts (so experts are really left out) and on meshes splitting the experts
-    over `expert` and their hidden over `tensor`."""
+@pytest.mark.parametrize("preset,n,fmt,lora", [(None, 2, "bf16", None), ("expert8", 2, "mxfp4", "per_expert"),
+                                              ("fsdp2_expert2_tensor2", 3, "mxfp4", "shared_a")])
+def test_gather_dispatch_matches_dense(preset, n, fmt, lora):
+    """The decode dispatch against every-expert einsum (moe 'dense', the oracle, which
+    widens MXFP4 stacks whole and adds A·B to every expert), with fewer pairs than experts
+    (so experts are really left out), MXFP4-resident experts and both adapter forms, on
+    meshes splitting the experts over `expert` and their hidden over `tensor`."""
     from k3jax import sharding
+    from k3jax.config import LoraSpec
     from k3jax.layers.moe import DISPATCH, experts_dense
+    from k3jax.ops.mxfp4 import MXFP4, quantize_mxfp4_jax
     cfg = load("toy")
+    if lora:
+        cfg = cfg.with_runtime(lora=LoraSpec(rank=4, alpha=8.0, targets=frozenset(
+            f"block_sparse_moe/{r}" for r in ("w1", "w2", "w3")), expert_rank=2, expert_mode=lora))
     rng = np.random.default_rng(n)
-    E, H, F, k = 8, 32, 16, 2
-    z = jnp.asarray(rng.standard_normal((n, H)), jnp.float32)
+    E, H, F, k, r = 8, 64, 64, 2, 2
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)  # noqa: E731
+    z, w = f32(n, H), jnp.asarray(rng.random((n, k)), jnp.float32)
     idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(n)]), jnp.int32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
-    w1, w3 = (jnp.asarray(rng.standard_normal((E, H, F)) * 0.2, jnp.float32) for _ in range(2))
-    w2 = jnp.asarray(rng.standard_normal((E, F, H)) * 0.2, jnp.float32)
-    ref = np.asarray(experts_dense(cfg, z, idx, w, w1, w2, w3))
+    weights = {"w1": f32(E, H, F), "w3": f32(E, H, F), "w2": f32(E, F, H)}
+    if fmt == "mxfp4":   # the checkpoint's [E, out, in] orientation, packed
+        weights = {k_: MXFP4(*quantize_mxfp4_jax(jnp.swapaxes(v, -1, -2))) for k_, v in weights.items()}
+    adapters = {}
+    if lora:
+        for role, (i, o) in {"w1": (H, F), "w3": (H, F), "w2": (F, H)}.items():
+            adapters[role] = (f32(i, r) if lora == "shared_a" else f32(E, i, r), f32(E, r, o))
+    ref = np.asarray(experts_dense(cfg, z, idx, w, weights, adapters))
     fn = jax.jit(lambda *a: DISPATCH["gather"](cfg, *a))
     if preset is None:
-        got = fn(z, idx, w, w1, w2, w3)
+        got = fn(z, idx, w, weights, adapters)
     else:
         mesh, rules = sharding.load_mesh(preset)
         with sharding.use_mesh(mesh, rules):
-            got = fn(z, idx, w, w1, w2, w3)
-    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)
+            got = fn(z, idx, w, weights, adapters)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(ref).max() > 0.1
 
 
 def _tpu_python():

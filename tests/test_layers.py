@@ -622,8 +622,8 @@ def test_experts_dense_and_ragged(act):
     idx = np.stack([rng.choice([0, 1, 2, 3, 4, 6, 7], k, replace=False) for _ in range(N)]).astype(np.int32)
     w = rng.uniform(0.1, 1.0, (N, k)).astype(F32)
     ref = experts_ref(cfg, F64(z), idx, F64(w), F64(w1), F64(w2), F64(w3))
-    dense = jax.jit(functools.partial(experts_dense, cfg))(z, idx, w, w1, w2, w3)
-    ragged = jax.jit(functools.partial(experts_ragged, cfg))(z, idx, w, w1, w2, w3)
+    dense = jax.jit(functools.partial(experts_dense, cfg))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+    ragged = jax.jit(functools.partial(experts_ragged, cfg))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
     assert dense.dtype == ragged.dtype == jnp.float32
     check(dense, ref, f"experts_dense {act}")
     check(ragged, ref, f"experts_ragged {act}")

@@ -161,7 +161,7 @@ def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
     w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
 
     def f(fn, z, w, w1, w2, w3):
-        y = fn(cfg, z, idx, w, w1, w2, w3)
+        y = fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, w, w1, w2, w3)
@@ -187,13 +187,14 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     w1, w3 = (jnp.asarray(r.normal(size=(E, H, F)), jnp.float32) for _ in range(2))
     w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
     rows, topk_rows = set(), set()
-    real_gmm, real_top_k = moe.grouped_matmul, jax.lax.top_k
-    monkeypatch.setattr(moe, "grouped_matmul", lambda x, *a: rows.add(x.shape[0]) or real_gmm(x, *a))
+    from k3jax.ops import experts as ops_experts
+    real_gmm, real_top_k = ops_experts.grouped_matmul, jax.lax.top_k
+    monkeypatch.setattr(ops_experts, "grouped_matmul", lambda x, *a: rows.add(x.shape[0]) or real_gmm(x, *a))
     monkeypatch.setattr(jax.lax, "top_k", lambda x, k: topk_rows.add(x.shape[0]) or real_top_k(x, k))
 
     def f(fn, z, gate, w1, w2, w3):
         idx, w, _ = moe.route(z, gate, jnp.zeros((E,)), k, True, 1.0)
-        y = fn(cfg, z, idx, w, w1, w2, w3)
+        y = fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, gate, w1, w2, w3)
@@ -250,7 +251,7 @@ def test_ep_capacity_drops_exactly_the_overflow(monkeypatch, mode, factor):
     idx = jnp.asarray(idx, jnp.int32)
 
     def f(fn, mask, z, w, w1, w2, w3):
-        y = fn(cfg, z, idx, w * mask, w1, w2, w3)
+        y = fn(cfg, z, idx, w * mask, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(f, moe.experts_dense, jnp.asarray(keep, jnp.float32)))(z, w, w1, w2, w3)
@@ -282,7 +283,7 @@ def test_train_step_reports_the_pairs_the_capacity_drops():
             _, inter = jax.jit(lambda p: K3Model(cfg).apply({"params": p}, tokens, mutable=["intermediates"]))(params)
             if factor < 1:   # one train step (the compile is the slow part of this test)
                 tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 10)
-                _, metrics = tstep.make_train_step(cfg, tc, tx, groups)(tstep.init_state(params, tx), batch)
+                _, metrics = tstep.make_train_step(cfg, tc, tx, groups)(tstep.init_state(params, tx, groups), batch)
         E, k = cfg.num_experts, cfg.num_experts_per_token
         sent = B * T // 8 * k                                   # pairs each device sends
         R = min(8 * sent, int(np.ceil(factor * sent)))

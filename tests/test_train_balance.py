@@ -92,7 +92,7 @@ def test_hist_method_through_the_train_step():
 
     scores, before = router(params)
     want = solve_hist(histogram(scores, b0, k, bins=int(tc["balance"]["bins"])), b0, k)
-    state, _ = fn(tstep.init_state(params, tx), batch)   # donates params' buffers
+    state, _ = fn(tstep.init_state(params, tx, groups), batch)   # donates params' buffers
     got = balancing._get(state.params, path)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     _, after = router(state.params)

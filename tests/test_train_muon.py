@@ -13,7 +13,8 @@ from k3jax.config import load, load_k3
 from k3jax.layers.vision import vision_param_shapes
 from k3jax.model import abstract_params
 from k3jax.train import config as tconf
-from k3jax.train.muon import build_optimizer, param_groups, path_str
+from k3jax.train.muon import build_optimizer, param_groups, path_str, trained_mask
+from k3jax.train.step import split_trained
 
 NS = (3.4445, -4.775, 2.0315)
 
@@ -37,7 +38,9 @@ def first_update(cfg, grads, **opt):
     o = tconf.resolve({}, {"optimizer": {"lr": 1.0, "warmup_steps": 0, "schedule": "constant",
                                          "weight_decay": 0.0, "grad_clip": 0.0, **opt}})["optimizer"]
     params = jax.tree.map(jnp.zeros_like, grads)
-    tx, _ = build_optimizer(cfg, params, o, 10)
+    tx, groups = build_optimizer(cfg, params, o, 10)
+    params, _ = split_trained(params, trained_mask(groups))
+    grads, _ = split_trained(grads, trained_mask(groups))
     updates, _ = tx.update(grads, tx.init(params), params)
     return jax.tree.map(lambda u: -np.asarray(u, np.float64), updates)
 
@@ -154,15 +157,16 @@ def test_frozen_params_have_no_state_and_no_update(toy):
     o = tconf.resolve({}, {"optimizer": {"freeze": ["*/w[123]"]}})["optimizer"]
     tx, groups = build_optimizer(cfg, params, o, 10)
     assert groups["layers_1"]["block_sparse_moe"]["w1"] == "frozen"
-    state = tx.init(params)
+    trained, _ = split_trained(params, trained_mask(groups))
+    state = tx.init(trained)
     shapes = {tuple(x.shape) for x in jax.tree.leaves(state)}
     assert (E, 8, 4) not in shapes and (E, 4, 8) not in shapes     # no momentum for frozen experts
     assert (E,) not in shapes                                         # nor for the router bias
-    grads = jax.tree.map(jnp.ones_like, params)
-    updates, _ = tx.update(grads, state, params)
-    assert not np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["w1"]))
-    assert not np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["e_score_correction_bias"]))
-    assert np.any(np.asarray(updates["layers_1"]["block_sparse_moe"]["gate"]))
+    grads, _ = split_trained(jax.tree.map(jnp.ones_like, params), trained_mask(groups))
+    updates, _ = tx.update(grads, state, trained)
+    moe = updates["layers_1"]["block_sparse_moe"]
+    assert moe["w1"] is None and moe["e_score_correction_bias"] is None   # no update exists for them
+    assert np.any(np.asarray(moe["gate"]))
 
 
 def test_bf16_params_keep_fp32_optimizer_state(toy):
@@ -171,8 +175,8 @@ def test_bf16_params_keep_fp32_optimizer_state(toy):
     params = {"embed_tokens": {"embedding": jnp.ones((16, 8), jnp.bfloat16)},
               "layers_0": {"self_attn": {"q_proj": {"kernel": jnp.ones((cfg.hidden_size, 64), jnp.bfloat16)},
                                          "A_log": jnp.ones((4,), jnp.float32)}}}
-    tx, _ = build_optimizer(cfg, params, tconf.resolve({})["optimizer"], 10)
-    state = init_state(params, tx)
+    tx, groups = build_optimizer(cfg, params, tconf.resolve({})["optimizer"], 10)
+    state = init_state(params, tx, groups)
     floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float32 for x in floats)
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.1, jnp.float32), params)

@@ -246,8 +246,8 @@ def test_train_step_with_images(tiny):
     params = {**text, "vision": jax.tree.map(np.array, t["params"]["vision"])}
     # plain SGD at lr 1 (old - new = gradient), the projector frozen, the tower trained
     groups = muon.param_groups(cfg, params, freeze=("vision/mm_projector/*",))
-    labels = jax.tree.map(lambda g: "zero" if g in ("frozen", "router_bias") else "sgd", groups)
-    tx = optax.multi_transform({"sgd": optax.sgd(1.0), "zero": optax.set_to_zero()}, labels)
+    labels = jax.tree.map(lambda g: "sgd" if g in muon.TRAINED else None, groups)   # the step's trained tree
+    tx = optax.multi_transform({"sgd": optax.sgd(1.0)}, labels)
     tc = tconf.resolve({"data": {"seq_len": T, "batch_size": 2}})
     step = tstep.make_train_step(cfg, tc, tx, groups, vision=k3.vision, media_pad_id=t["pad"])
     targets = np.roll(tokens, -1, axis=1)
@@ -257,9 +257,9 @@ def test_train_step_with_images(tiny):
              "images": {"pixels": t["pixels"][None], "grid_thws": GRIDS}}
     fewer = {**batch, "tokens": np.where(tokens == t["pad"], 7, tokens)[None]}
     with pytest.raises(M.InputError, match=r"microbatch 0: 0 <\|media_pad\|>"):
-        step(tstep.init_state(params, tx), fewer)
+        step(tstep.init_state(params, tx, groups), fewer)
 
-    new, metrics = step(tstep.init_state(params, tx), batch)
+    new, metrics = step(tstep.init_state(params, tx, groups), batch)
     # the loss is the cross-entropy of the multimodal forward's logits
     logits = np.asarray(MM.forward_with_images(cfg, k3.vision, params, tokens, t["pixels"], GRIDS,
                                                pad_id=t["pad"]), np.float64)

@@ -52,11 +52,14 @@ def _sds(x, s):
 
 
 def abstract_params(cfg, mesh, rules):
-    """The params as ShapeDtypeStructs with `sharding.param_shardings`' shardings."""
+    """The params (LoRA adapters under 'lora' when the config has them) as
+    ShapeDtypeStructs with `sharding.param_shardings`' shardings."""
     from flax import linen as nn
 
-    from k3jax.model import abstract_params as shapes
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params as shapes
     boxed = shapes(cfg)
+    if cfg.runtime.lora is not None:
+        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
     plain = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     return jax.tree.map(_sds, plain, sharding.param_shardings(cfg, mesh, rules))
 
@@ -76,19 +79,26 @@ def check_layout(preset, n_devices: int, batch: int, seq: int):
     for what, n, logical in (("batch", batch, "batch"), ("seq", seq, "length")):
         ways = _shards(preset.rules, sizes, (logical,))
         if n % ways:
-            hint = (" (or a preset that splits each sequence over a context axis, e.g. v5p-1024-cp8)"
+            hint = (" (or a preset that splits each sequence over a context axis, e.g. v5p-1024-cp4)"
                     if what == "batch" else "")
             raise ConfigError(f"--{what} {n}: {preset.name} splits {logical} {ways} ways, which {n} does not "
                               f"divide: give a multiple of {ways}{hint}")
 
 
 def _runtime(opt: PlanOptions) -> dict:
-    """Runtime options a PlanOptions implies: params (and so compute) in its dtype."""
-    if opt.expert_format != "bf16":
-        raise ConfigError(f"--expert-format {opt.expert_format}: the model holds routed experts in the "
-                          f"params' dtype only; MXFP4-resident experts are compiled once they exist")
+    """Runtime options a PlanOptions implies: params (and so compute) in its dtype, routed
+    experts in its format."""
     return {"param_dtype": opt.param_dtype, "dtype": opt.param_dtype, "remat": opt.remat,
-            "ep_capacity_factor": opt.ep_capacity_factor}
+            "ep_capacity_factor": opt.ep_capacity_factor, "expert_format": opt.expert_format}
+
+
+def _lora_section(opt: PlanOptions) -> dict:
+    """The train config's `lora:` section a PlanOptions implies (as `k3jax plan` reads it)."""
+    if not opt.lora_rank:
+        return {}
+    return {"lora": {"rank": opt.lora_rank, "expert_rank": opt.lora_expert_rank,
+                     "expert_mode": opt.lora_expert_mode, "optimizer": opt.lora_optimizer,
+                     "targets": list(opt.lora_targets) if opt.lora_targets is not None else None}}
 
 
 def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, overrides: dict | None = None,
@@ -100,22 +110,25 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
     if opt.optimizer != "muon":
         raise ConfigError(f"--optimizer {opt.optimizer}: `k3jax train` runs Per-Head Muon (AdamW on "
                           f"embeddings, vectors and lm_head); compile it with --optimizer muon")
-    preset = sharding.load_preset(preset_name)
-    mesh, rules = sharding.load_mesh(preset_name, devices, physical=physical)
+    preset = sharding.preset_for(preset_name, "train")      # as `k3jax train --mesh` picks it
+    mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
     batch = default_batch(preset, opt, len(devices))
     check_layout(preset, len(devices), batch, opt.seq)
-    section = {"data": {"seq_len": opt.seq, "batch_size": batch, "grad_accum": 1}, "runtime": _runtime(opt)}
+    section = {"data": {"seq_len": opt.seq, "batch_size": batch, "grad_accum": 1}, "runtime": _runtime(opt),
+               **_lora_section(opt)}
+    if opt.freeze:
+        section["optimizer"] = {"freeze": list(opt.freeze)}
     tc = tconf.resolve(_merge(k3.train, section), overrides)
     cfg = loop.run_model_config(k3, tc, (mesh, rules))
     with sharding.use_mesh(mesh, rules):
         params = abstract_params(cfg, mesh, rules)
-        tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
+        tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
+                                          tc["lora"] if cfg.runtime.lora is not None else None)
         train_step = tstep.make_train_step(cfg, tc, tx, groups)
         rows = loop.accum_batch_sharding((mesh, rules))
-        opt_sh = loop.optimizer_shardings(tx, params)
-        state_sh, step = loop.sharded_train_step((mesh, rules), params, tx, train_step, rows, opt_sh)
-        f32 = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), t)  # noqa: E731
-        opt_state = jax.tree.map(_sds, jax.eval_shape(tx.init, f32(params)), opt_sh)
+        opt_sh = loop.optimizer_shardings(tx, params, groups)
+        state_sh, step = loop.sharded_train_step((mesh, rules), params, tx, groups, train_step, rows, opt_sh)
+        opt_state = jax.tree.map(_sds, jax.eval_shape(lambda p: tstep.opt_init(tx, p, groups), params), opt_sh)
     state = tstep.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=state_sh.step),
                              params=params, opt_state=opt_state)
     d = tc["data"]
@@ -161,7 +174,7 @@ def serve_programs(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ru
     `cache_shardings_from(compiled first prefill)` fills them in."""
     from k3jax.infer.generate import extend_step, prefill_step
     preset = sharding.load_preset(preset_name)
-    mesh, rules = sharding.load_mesh(preset_name, devices, physical=physical)
+    mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
     batch = default_batch(preset, opt, len(devices))
     cfg = serve_config(k3, mesh, opt, runtime)
     n = new_tokens or prefill_tokens(preset, opt, batch, len(devices))

@@ -24,6 +24,7 @@ directory without `k3jax_checkpoint.json` is never a finished conversion.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -34,15 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from k3jax.checkpoint.hf_params import (FLOAT_DTYPES, CheckpointMismatch, check_names, check_stored,
-                                        mismatch_message, to_tree_layout)
-from k3jax.checkpoint.load import local_path
+                                        mismatch_message, mxfp4_paths, read_mxfp4_entry, to_tree_layout)
+from k3jax.checkpoint.dirs import FORMAT, MANIFEST, local_path
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.checkpoint.orbax_io import TreeWriter
 from k3jax.checkpoint.safetensors_io import DTYPES, ShardedCheckpoint
 from k3jax.config import K3Config
 
-MANIFEST = "k3jax_checkpoint.json"
-FORMAT = "k3jax-orbax-1"
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -73,7 +72,9 @@ def dry_run(hf_dir) -> dict:
 
 def _leaf_dtype(source_dtypes: set[str]) -> np.dtype:
     # Keep what the source holds exactly: MXFP4 values are exact in bf16; mixing widths
-    # (or any fp32 source) keeps fp32.
+    # (or any fp32 source) keeps fp32; MXFP4 bytes kept packed stay uint8.
+    if source_dtypes == {"U8"}:
+        return np.dtype(np.uint8)
     kinds = {"BF16" if d == "MXFP4" else d for d in source_dtypes}
     return DTYPES[kinds.pop()] if len(kinds) == 1 and kinds <= {"BF16", "F16", "F32"} else DTYPES["F32"]
 
@@ -96,6 +97,15 @@ def _plan(k3: K3Config, ckpt: ShardedCheckpoint):
     n_lead: dict[tuple, int] = {}
     slots: dict[tuple, set] = {}
     for e in report["entries"]:
+        if e.is_expert and e.path + ("weight_packed",) in shapes:   # kept as MXFP4 bytes
+            packed, scale = mxfp4_paths(e)
+            out_dim, half = shapes[packed][len(e.index):]
+            check_stored(ckpt, e, names, (2 * half, out_dim), cfg, k3.layout)
+            for p in (packed, scale):
+                sources.setdefault(p, set()).add("U8")
+                n_lead[p] = len(e.index)
+                slots.setdefault(p, set()).add(e.index)
+            continue
         if e.path not in shapes:
             raise CheckpointMismatch(f"{e.hf}: the model has no param {'/'.join(e.path)}")
         slot = shapes[e.path][len(e.index):]
@@ -161,13 +171,17 @@ def _units(entries):
     return [units[k] for k in sorted(units)]
 
 
-def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
+def convert(hf_dir, out_dir, *, progress: bool = False, expert_format: str = "bf16") -> dict:
     """Convert; returns the manifest. Raises before writing anything if names, dtypes or
-    shapes do not match the config; refuses to overwrite an existing OUT_DIR."""
+    shapes do not match the config; refuses to overwrite an existing OUT_DIR.
+
+    `expert_format='mxfp4'` keeps the routed experts packed (the source's own bytes, or
+    widened experts quantized), as `load_model_dir(..., expert_format='mxfp4')` holds them."""
     hf_dir, out_dir = local_path(hf_dir, "HF checkpoint"), local_path(out_dir, "output")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
     k3 = _load_config(hf_dir)
+    k3 = dataclasses.replace(k3, text=k3.text.with_runtime(expert_format=expert_format))
     ckpt = ShardedCheckpoint(hf_dir)
     report, leaves, vision = _plan(k3, ckpt)
     names = set(ckpt.keys())
@@ -180,7 +194,7 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
     try:
         params = TreeWriter(tmp / "params", leaves)
         scales = None
-        if mxfp4:
+        if mxfp4 and expert_format == "bf16":
             expert_paths = {e.path: len(e.index) for e in report["entries"] if e.is_expert}
             scales = TreeWriter(tmp / "mxfp4_scales", {
                 p: (leaves[p][0][:n] + (leaves[p][0][-1], leaves[p][0][-2] // 32), np.uint8, n)
@@ -199,7 +213,8 @@ def convert(hf_dir, out_dir, *, progress: bool = False) -> dict:
         bar.close()
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
         manifest = {"format": FORMAT, "layout": report["layout"], "dense_mlp_name": report["dense_mlp_name"],
-                    "experts": "mxfp4" if mxfp4 else "float", "vision_tensors": len(report["vision"]),
+                    "experts": "mxfp4" if mxfp4 else "float", "expert_format": expert_format,
+                    "vision_tensors": len(report["vision"]),
                     "vision_dtypes": vision[1] if vision is not None else {},
                     "tensors": len(names), "source_bytes": total, "source": str(hf_dir)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -226,6 +241,12 @@ def _write_vision(ckpt, k3: K3Config, directory: Path, leaves) -> int:
 
 def _write_entry(ckpt, e, names, params: TreeWriter, scales: TreeWriter | None, leaves) -> int:
     """Read, transform and write one entry; returns the source bytes it consumed."""
+    if e.is_expert and e.path + ("weight_packed",) in leaves:
+        total = 0
+        for path, arr in zip(mxfp4_paths(e), read_mxfp4_entry(ckpt, e, names)):
+            params.write(path, e.index, arr)
+            total += arr.nbytes
+        return total
     shape, dtype, _ = leaves[e.path]
     slot = shape[len(e.index):]
     if e.is_expert and f"{e.hf}.weight" not in names:

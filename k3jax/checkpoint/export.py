@@ -1,19 +1,37 @@
-"""k3jax Orbax checkpoint → the released safetensors layout (vLLM / SGLang / transformers).
+"""k3jax checkpoint or training run → the released safetensors layout (vLLM / SGLang / transformers).
 
-Names and shapes come from the same `names.tensor_map` the converter uses. Dtypes follow
+The source is a `k3jax convert` output, a training run directory (its newest checkpoint)
+or one of its `checkpoints/N` (`k3jax.checkpoint.load.resolve`); from a run only the
+params are read. Names and shapes come from the same `names.tensor_map` the converter uses. Dtypes follow
 the released checkpoint (`names.release_dtype`: bf16, except KDA A_log, dt_bias, conv
 weights, o_norm and the router bias in fp32); `A_log` is zero-padded back to head_dim in
-the K3 layout. Routed experts are re-packed to MXFP4 unless `experts_bf16`.
+the K3 layout. Every tensor is written in its release dtype whatever the run trained in,
+with one exception for runs: the params the model keeps in fp32 even with bf16 params
+(norms, AttnRes vectors) stay fp32 when the run holds them so, since rounding them would
+change the run's logits (~1e-2 on the toy model) and a serving stack casts them on load
+anyway. The result's `casts` counts each (stored dtype → written dtype) change, so a run
+trained with fp32 params says how many matrices were rounded to bf16, and `kept_fp32`
+counts the exceptions. Routed experts are re-packed to MXFP4 unless `experts_bf16`.
 
 Byte-identical MXFP4: a group whose codes are all ±0 keeps no trace of its scale byte in
 the values, so re-deriving scales cannot reproduce every stored tensor. The converter
 keeps the original scale bytes (`mxfp4_scales/`); an expert is re-packed with them when
 that reproduces its current values exactly (it was not changed since conversion), and
-freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise.
+freshly quantized (compressed-tensors' rule, `quantize_mxfp4`) otherwise (always, for a run).
 
 Vision: the `vision/` tree goes back under its `vision_tower.*` / `mm_projector.*` names
 (`k3jax.vision.vision_names`), each tensor in the dtype it was converted from (the
 manifest's `vision_dtypes`), so an unchanged tower round-trips byte for byte.
+
+MXFP4-resident experts (`convert --expert-format mxfp4`, runs with `runtime.expert_format:
+mxfp4`) are stored as their bytes: an unchanged expert is written back as stored.
+
+LoRA runs hold adapters and router biases only; their base is the run's `init_from` (or
+its seed). `merge_lora=True` writes W + (alpha/r)·A·B for every adapted tensor, routed
+experts re-quantized to MXFP4 (compressed-tensors' rule) unless `experts_bf16`; the
+result's `requant` says how far the stored bytes are from the merged values
+(`adapters.RequantError`). Without it, a LoRA run is refused: export its adapters with
+`export_adapter` (a PEFT directory), or merge them.
 
 Streaming: tensors are produced in checkpoint order, one at a time, from slices of the
 stored leaves (only their chunks are read) and flushed into a shard file whenever the
@@ -30,33 +48,108 @@ from pathlib import Path
 
 import numpy as np
 
-from k3jax.checkpoint.convert import FORMAT, MANIFEST
 from k3jax.checkpoint.hf_params import from_tree_layout
-from k3jax.checkpoint.load import local_path
+from k3jax.checkpoint.load import local_path, resolve
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requantize_with_scale
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
 from k3jax.checkpoint.orbax_io import open_leaf, stored_leaves
 from k3jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME, write_safetensors
 from k3jax.config import K3Config
+from k3jax.errors import K3JaxError
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
 
 class _Leaves:
-    """Slices of one Orbax item's leaves, each leaf opened once."""
+    """Slices of one Orbax item's leaves (those under `prefix`), each leaf opened once."""
 
-    def __init__(self, item_dir: Path):
-        self.item_dir = item_dir
-        self.paths = set(stored_leaves(item_dir))
+    def __init__(self, item_dir: Path, prefix: tuple = ()):
+        self.item_dir, self.prefix = item_dir, tuple(prefix)
+        n = len(self.prefix)
+        self.paths = {p[n:] for p in stored_leaves(item_dir) if p[:n] == self.prefix}
         self._open: dict = {}
 
     def get(self, path, index) -> np.ndarray:
         if path not in self.paths:
-            raise ValueError(f"{self.item_dir}: no leaf {'.'.join(path)}")
+            raise K3JaxError(f"{self.item_dir}: no leaf {'.'.join(self.prefix + tuple(path))}")
         leaf = self._open.get(path)
         if leaf is None:
-            leaf = self._open[path] = open_leaf(self.item_dir, path)
+            leaf = self._open[path] = open_leaf(self.item_dir, self.prefix + tuple(path))
         return np.asarray((leaf[tuple(index)] if index else leaf).read().result())
+
+
+class _Tree:
+    """`_Leaves`' interface over an in-memory param tree (a LoRA run's random-init base)."""
+
+    def __init__(self, tree: dict):
+        import jax
+        self.flat = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+        self.paths = set(self.flat)
+
+    def get(self, path, index) -> np.ndarray:
+        if path not in self.flat:
+            raise K3JaxError(f"no param {'/'.join(path)}")
+        x = self.flat[path]
+        return np.asarray(x[tuple(index)] if index else x)
+
+
+class _Source:
+    """The tensors an export writes: a base's leaves (widened or MXFP4 experts) and, for a
+    merged LoRA run, its adapters folded in on read."""
+
+    def __init__(self, base, adapters=None, spec=None, cfg=None):
+        self.base, self.adapters, self.spec, self.cfg = base, adapters, spec, cfg
+        self.requant = None
+        if adapters is not None:
+            from k3jax.checkpoint.adapters import RequantError
+            self.requant = RequantError()
+
+    def _adapter(self, path):
+        """(target, path of the adapter) when `path` (a tree leaf path) is adapted."""
+        if self.adapters is None:
+            return None
+        from k3jax.layout import layer_subpath
+        module = path[:-1] if path[-1] == "kernel" else path
+        target = layer_subpath(module)
+        if target not in self.spec.targets:
+            return None
+        return target, module
+
+    def _delta(self, path, index, expert=None):
+        from k3jax.checkpoint.adapters import delta
+        hit = self._adapter(path)
+        if hit is None:
+            return None
+        target, module = hit
+        a = self.adapters.get(module + ("lora_a",), index)
+        b = self.adapters.get(module + ("lora_b",), index)
+        return delta(self.spec, target, a, b, expert)
+
+    def dense(self, path, index) -> np.ndarray:
+        """A non-expert tree slot, merged when adapted."""
+        slot = self.base.get(path, index)
+        d = self._delta(path, index)
+        return slot if d is None else (slot.astype(np.float64) + d).astype(np.float32)
+
+    def is_packed(self, e) -> bool:
+        return e.path + ("weight_packed",) in self.base.paths
+
+    def expert(self, e):
+        """(w [out, in] float or None, packed, scale or None, delta [out, in] or None): one
+        expert, as stored (packed bytes when MXFP4-resident and unchanged) or merged."""
+        idx, ex = e.index[:-1], e.index[-1]
+        d = self._delta(e.path, idx, ex)
+        if self.is_packed(e):
+            packed = self.base.get(e.path + ("weight_packed",), e.index)
+            scale = self.base.get(e.path + ("weight_scale",), e.index)
+            if d is None:
+                return None, packed, scale, None
+            w = dequantize_mxfp4_np(packed, scale, np.float64)
+        else:
+            w = np.ascontiguousarray(self.base.get(e.path, e.index).T)  # [in, out] -> [out, in]
+            if d is None:
+                return w, None, None, None
+        return w.astype(np.float64) + d.T, None, None, d.T
 
 
 class _ShardWriter:
@@ -96,8 +189,13 @@ class _ShardWriter:
         (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _cast(arr: np.ndarray, dtype_str: str) -> np.ndarray:
-    return np.ascontiguousarray(arr.astype(DTYPES[dtype_str]))
+def _cast(arr: np.ndarray, dtype_str: str, casts: dict | None = None) -> np.ndarray:
+    """`arr` in the safetensors dtype `dtype_str`; a change of dtype is counted in `casts`."""
+    want = DTYPES[dtype_str]
+    if casts is not None and arr.dtype != want:
+        key = f"{arr.dtype.name} -> {dtype_str}"
+        casts[key] = casts.get(key, 0) + 1
+    return np.ascontiguousarray(arr.astype(want))
 
 
 def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
@@ -109,7 +207,7 @@ def _pack_expert(w: np.ndarray, scale: np.ndarray | None):
     return quantize_mxfp4(w)
 
 
-def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str]) -> None:
+def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[str, str], casts: dict) -> None:
     """The vision tree back under its checkpoint names, in the dtype each tensor was
     converted from (bf16, the released dtype, when the manifest does not say)."""
     from k3jax.vision.vision_names import to_hf, vision_tensor_map
@@ -117,33 +215,48 @@ def _add_vision(out: _ShardWriter, k3: K3Config, leaves: _Leaves, dtypes: dict[s
     if k3.vision is None:
         raise ValueError("the checkpoint holds vision params but its config.json has no vision_config")
     for e in vision_tensor_map(k3.vision):
-        out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16")))
+        out.add(e.hf, _cast(to_hf(e, leaves.get(e.path, e.index)), dtypes.get(e.hf, "BF16"), casts))
 
 
 def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = False) -> dict:
-    """Write HF_DIR; returns the index dict's metadata plus counts."""
-    ckpt_dir, hf_dir = local_path(ckpt_dir, "checkpoint"), local_path(hf_dir, "output")
-    manifest_path = ckpt_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{ckpt_dir}: no {MANIFEST} (not a finished `k3jax convert` output)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+           progress: bool = False, merge_lora: bool = False) -> dict:
+    """Write HF_DIR from a `k3jax convert` output, a training run or one of its
+    checkpoints/N. Returns the index's total_size, shard and tensor counts, the source
+    (`ModelSource.describe()`) and `casts` {'float32 -> BF16': n, ...}: every tensor whose
+    stored dtype differs from the one written (MXFP4 packing is not counted), and
+    `kept_fp32`, the count of a run's fp32-kept params written as fp32 (module docstring)."""
+    hf_dir = local_path(hf_dir, "output")
+    src = resolve(ckpt_dir)
+    if src.kind == "hf":
+        raise K3JaxError(f"{src.path}: already an HF safetensors checkpoint; export reads a `k3jax convert` "
+                         "output or a training run")
     if hf_dir.exists():
         raise FileExistsError(f"{hf_dir} already exists; refusing to overwrite it")
-    hf_config = json.loads((ckpt_dir / "config.json").read_text())
-    k3 = K3Config.from_hf(hf_config)
-    cfg, layout = k3.text, manifest["layout"]
+    hf_config = src.k3.to_hf()
+    k3 = src.k3
+    cfg, layout = k3.text, src.layout
+    if not experts_bf16 and cfg.num_experts and not _has_quantization_config(hf_config):
+        raise K3JaxError(f"{src.describe()}: its config.json has no quantization_config describing MXFP4 "
+                         "experts (a config without MXFP4 experts); export with --experts-bf16")
 
-    if (ckpt_dir / "extra").exists():
+    if src.kind == "orbax" and (src.path / "extra").exists():
         # the first conversions kept vision tensors verbatim there; exporting without them
         # would silently drop the vision tower
-        raise ValueError(f"{ckpt_dir}: vision tensors in extra/ come from an older `k3jax convert`; "
+        raise K3JaxError(f"{src.path}: vision tensors in extra/ come from an older `k3jax convert`; "
                          "convert the HF directory again")
-    params = _Leaves(ckpt_dir / "params")
-    scales = _Leaves(ckpt_dir / "mxfp4_scales") if (ckpt_dir / "mxfp4_scales").exists() else None
-    entries = tensor_map(cfg, layout, manifest["dense_mlp_name"])
+    lora_run = src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
+    if lora_run and not merge_lora:
+        raise K3JaxError(f"{src.describe()} is a LoRA run: its checkpoints hold adapters, not a model; export "
+                         "them with --adapter (a PEFT directory) or fold them into the base with --merge-lora")
+    if merge_lora and not lora_run:
+        raise K3JaxError(f"{src.describe()}: --merge-lora needs a LoRA run (lora.rank > 0)")
+    params = _lora_source(src) if lora_run else _Source(_Leaves(src.item_dir, src.prefix))
+    scales_dir = src.path / "mxfp4_scales" if src.kind == "orbax" else None
+    scales = _Leaves(scales_dir) if scales_dir is not None and scales_dir.exists() else None
+    entries = tensor_map(cfg, layout, src.dense_mlp_name)
+    casts: dict[str, int] = {}
+    keep_fp32 = _model_fp32_paths(cfg) if src.kind == "run" else set()
+    kept = 0
 
     from tqdm import tqdm
     tmp = hf_dir.parent / f".{hf_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
@@ -153,33 +266,125 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         out = _ShardWriter(tmp, max_shard_bytes)
         bar = tqdm(total=len(entries), unit="tensor", desc=f"export {hf_dir.name}", disable=not progress)
         for e in entries:
-            slot = params.get(e.path, e.index)
             if not e.is_expert:
+                slot = params.dense(e.path, e.index)
                 shape = stored_shape(e, slot.shape, cfg, layout)
-                out.add(e.hf, _cast(from_tree_layout(e, slot, shape), release_dtype(e.hf)))
+                dtype = release_dtype(e.hf)
+                if dtype != "F32" and e.path in keep_fp32 and slot.dtype == np.float32:
+                    dtype, kept = "F32", kept + 1
+                out.add(e.hf, _cast(from_tree_layout(e, slot, shape), dtype, casts))
+                bar.update(1)
+                continue
+            w, packed, scale, d = params.expert(e)
+            if experts_bf16:
+                w = dequantize_mxfp4_np(packed, scale) if w is None else w
+                out.add(f"{e.hf}.weight", _cast(w, "BF16", casts))
+            elif packed is not None:            # MXFP4-resident and unchanged: its own bytes
+                out.add(f"{e.hf}.weight_packed", packed)
+                out.add(f"{e.hf}.weight_scale", scale)
             else:
-                w = np.ascontiguousarray(slot.T)  # [in, out] -> [out, in]
-                if experts_bf16:
-                    out.add(f"{e.hf}.weight", _cast(w, "BF16"))
-                else:
-                    scale = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
-                    packed, scale = _pack_expert(w, scale)
-                    out.add(f"{e.hf}.weight_packed", packed)
-                    out.add(f"{e.hf}.weight_scale", scale)
+                orig = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
+                packed, scale = _pack_expert(w.astype(np.float32), None if d is not None else orig)
+                if d is not None:
+                    params.requant.add(e.hf, w, dequantize_mxfp4_np(packed, scale, np.float64), d)
+                out.add(f"{e.hf}.weight_packed", packed)
+                out.add(f"{e.hf}.weight_scale", scale)
             bar.update(1)
-        if (ckpt_dir / "vision").exists():
-            _add_vision(out, k3, _Leaves(ckpt_dir / "vision"), manifest.get("vision_dtypes") or {})
+        if src.kind == "orbax" and (src.path / "vision").exists():
+            _add_vision(out, k3, _Leaves(src.path / "vision"), src.manifest.get("vision_dtypes") or {}, casts)
         bar.close()
         out.finish()
-        if experts_bf16:  # the packed-weight quantization block no longer describes the files
-            target = hf_config.get("text_config", hf_config)
-            target.pop("quantization_config", None)
-            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if src.kind == "orbax" and not experts_bf16:
+            shutil.copyfile(src.path / "config.json", tmp / "config.json")   # byte for byte
         else:
-            shutil.copyfile(ckpt_dir / "config.json", tmp / "config.json")
+            if experts_bf16:  # the packed-weight quantization block no longer describes the files
+                hf_config.get("text_config", hf_config).pop("quantization_config", None)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         os.rename(tmp, hf_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files)}
+    result = {"total_size": out.total, "shards": len(out.files), "tensors": sum(len(n) for _, n in out.files),
+              "source": src.describe(), "casts": casts, "kept_fp32": kept}
+    if params.requant is not None and not experts_bf16:
+        result["requant"] = params.requant.summary()
+    return result
 
+
+def _lora_source(src) -> _Source:
+    """A LoRA run's export source: its base (init_from's leaves, streamed when that is a
+    k3jax checkpoint; else loaded whole) and its adapters from the run's checkpoint."""
+    from k3jax import lora
+    from k3jax.checkpoint.load import load_model_dir
+    from k3jax.model import abstract_params
+    cfg = src.k3.text
+    spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
+    adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
+    init_from = src.train.get("init_from")
+    base_src = resolve(init_from) if init_from else None
+    if base_src is not None and base_src.kind in ("orbax", "run") and not (
+            base_src.kind == "run" and (base_src.train.get("lora") or {}).get("rank")):
+        base = _Leaves(base_src.item_dir, base_src.prefix)
+    else:   # an HF directory or a random init: the base in memory (small models)
+        _, params = load_model_dir(src.path, {"param_dtype": "float32"})
+        base = _Tree({k: v for k, v in params.items() if k != "lora"})
+    # router biases come from the run: Quantile Balancing re-solved them while training
+    biases = _Leaves(src.item_dir, src.prefix)
+    return _Source(_WithRun(base, biases), adapters, spec, cfg)
+
+
+class _WithRun:
+    """A base's leaves with the run's own saved non-adapter leaves (router biases) over them."""
+
+    def __init__(self, base, run):
+        self.base, self.run = base, run
+        self.paths = base.paths | {p for p in run.paths if p[0] != "lora"}
+
+    def get(self, path, index):
+        return (self.run if path in self.run.paths else self.base).get(path, index)
+
+
+def _model_fp32_paths(cfg) -> set:
+    """Param paths the model keeps in fp32 even when its params are bf16."""
+    import jax
+    from flax import linen as nn
+
+    from k3jax.model import abstract_params
+    tree = nn.unbox(abstract_params(cfg.with_runtime(param_dtype="bfloat16")))
+    return {tuple(k.key for k in p) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
+            if leaf.dtype == np.float32}
+
+
+def _has_quantization_config(hf_config: dict) -> bool:
+    return bool(hf_config.get("text_config", hf_config).get("quantization_config")
+                or hf_config.get("quantization_config"))
+
+
+def export_adapter(run_dir, out_dir) -> dict:
+    """A LoRA run's adapters (its newest checkpoint, or the checkpoints/N given) as a PEFT
+    directory (`k3jax.checkpoint.adapters`). Returns {'tensors', 'bytes', 'source', 'rank',
+    'targets'}."""
+    from k3jax import lora
+    from k3jax.checkpoint.adapters import write_adapter
+    from k3jax.model import abstract_params
+
+    out_dir = local_path(out_dir, "output")
+    src = resolve(run_dir)
+    if src.kind != "run" or not (src.train.get("lora") or {}).get("rank"):
+        raise K3JaxError(f"{src.describe()}: --adapter exports a LoRA run's adapters (a run with lora.rank > 0)")
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
+    cfg = src.k3.text
+    spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
+    adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
+    trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,
+                          base_model=str(src.train.get("init_from") or ""), trained=trained)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {**r, "source": src.describe(), "rank": spec.rank, "targets": sorted(spec.targets)}

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
 from k3jax.checkpoint.names import VISION_PREFIXES, TensorEntry, hf_prefixes, tensor_map, vision_names
 from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.config import ModelConfig, VisionConfig
+from k3jax.errors import K3JaxError
 
 NON_TEXT_PREFIXES = VISION_PREFIXES
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(K3JaxError):
     """The checkpoint's tensors do not match the config; the message lists which."""
 
 
@@ -79,6 +80,19 @@ def read_entry(ckpt, entry: TensorEntry, names: set[str]) -> np.ndarray:
     if f"{entry.hf}.weight" in names:
         return ckpt.get(f"{entry.hf}.weight")
     return dequantize_mxfp4_np(ckpt.get(f"{entry.hf}.weight_packed"), ckpt.get(f"{entry.hf}.weight_scale"))
+
+
+def mxfp4_paths(entry: TensorEntry) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Tree paths of an expert entry's two leaves under `expert_format='mxfp4'`."""
+    return entry.path + ("weight_packed",), entry.path + ("weight_scale",)
+
+
+def read_mxfp4_entry(ckpt, entry: TensorEntry, names: set[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(packed [out, in/2], scale [out, in/32]) uint8 of one expert, as stored; widened
+    (.weight) experts are quantized by compressed-tensors' rule."""
+    if f"{entry.hf}.weight" in names:
+        return quantize_mxfp4(ckpt.get(f"{entry.hf}.weight"))
+    return ckpt.get(f"{entry.hf}.weight_packed"), ckpt.get(f"{entry.hf}.weight_scale")
 
 
 def check_names(cfg: ModelConfig, names, layout: str | None = None, *, check_vision: bool = False,
@@ -176,9 +190,20 @@ def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
         raise CheckpointMismatch(mismatch_message(hf_dir, report))
 
     flat = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
-    out = {path: np.zeros(s.shape, dtype or s.dtype) for path, s in flat.items()}
+    # integer leaves (MXFP4 bytes) keep their dtype whatever `dtype` asks of the floats
+    out = {path: np.zeros(s.shape, s.dtype if not np.issubdtype(s.dtype, np.floating) else dtype or s.dtype)
+           for path, s in flat.items()}
     filled: dict = {}
     for e in report["entries"]:
+        if e.is_expert and e.path + ("weight_packed",) in out:
+            for path, arr in zip(mxfp4_paths(e), read_mxfp4_entry(ckpt, e, names)):
+                leaf = out[path]
+                if tuple(arr.shape) != leaf.shape[len(e.index):]:
+                    raise CheckpointMismatch(f"{e.hf}: MXFP4 {path[-1]} of shape {tuple(arr.shape)} does not match "
+                                             f"the model's {leaf.shape[len(e.index):]} at {'/'.join(path)}")
+                leaf[e.index] = arr
+                filled.setdefault(path, set()).add(e.index)
+            continue
         if e.path not in out:
             raise CheckpointMismatch(f"{e.hf}: the model has no param {'/'.join(e.path)}")
         leaf = out[e.path]

@@ -42,12 +42,12 @@ Round trips:
 """
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+# the JAX decode lives with the ops that dequantize inside their matmuls
+from k3jax.ops.mxfp4 import (E2M1_VALUES, GROUP_SIZE, _check_shapes, _check_uint8,  # noqa: F401
+                             dequantize_mxfp4)
 
 __all__ = [
     "GROUP_SIZE",
@@ -58,105 +58,8 @@ __all__ = [
     "requantize_with_scale",
 ]
 
-GROUP_SIZE = 32
-
-# Value of each 4-bit code; index 8 is -0.0 so that code 8 decodes with its sign.
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=np.float32,
-)
-
 _E8M0_NAN = 255
 _SCALE_OFFSET = 2  # floor(log2(6)): maps the group max into E2M1's top binade
-
-
-def _check_shapes(packed_shape, scale_shape) -> tuple[int, int]:
-    if len(packed_shape) < 2:
-        raise ValueError(f"weight_packed must be [..., out, in/2], got shape {tuple(packed_shape)}")
-    half = packed_shape[-1]
-    n_in = 2 * half
-    if n_in % GROUP_SIZE:
-        raise ValueError(
-            f"weight_packed shape {tuple(packed_shape)}: input dim {n_in} is not a multiple "
-            f"of the MXFP4 group size {GROUP_SIZE}"
-        )
-    groups = n_in // GROUP_SIZE
-    expected = (*packed_shape[:-1], groups)
-    if tuple(scale_shape) != expected:
-        raise ValueError(
-            f"weight_scale shape {tuple(scale_shape)} does not match weight_packed "
-            f"{tuple(packed_shape)} (expected {expected}: one scale per {GROUP_SIZE} inputs)"
-        )
-    return n_in, groups
-
-
-def _check_uint8(packed_dtype, scale_dtype) -> None:
-    if packed_dtype != np.uint8 or scale_dtype != np.uint8:
-        raise TypeError(
-            f"weight_packed and weight_scale must be uint8, got {packed_dtype} and {scale_dtype}"
-        )
-
-
-# -- decoding (JAX) ---------------------------------------------------------------------
-
-
-def _ldexp_e2m1_f32(v: jax.Array, s: jax.Array) -> jax.Array:
-    """``v * 2**(s - 127)`` for E2M1 values ``v`` (fp32) and scale bytes ``s``, exactly.
-
-    Done on the fp32 bit pattern because XLA's CPU (and TPU) arithmetic flushes subnormal
-    results to zero, while scale bytes 0 and 1 legitimately produce subnormals. Conversions
-    do not flush, so the later cast to bf16 keeps them.
-    """
-    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    sign = bits & jnp.uint32(0x8000_0000)
-    exp = ((bits >> 23) & 0xFF).astype(jnp.int32)  # 0 for +/-0, 126..129 otherwise
-    mant = bits & jnp.uint32(0x7F_FFFF)
-    new_exp = exp + s.astype(jnp.int32) - 127
-    normal = (jnp.clip(new_exp, 0, 255).astype(jnp.uint32) << 23) | mant
-    # Below the normal range the implicit 1 moves into the mantissa. E2M1 values have at
-    # most two significant bits and new_exp >= -1, so this shift (<= 2) drops no set bits.
-    shift = jnp.clip(1 - new_exp, 0, 31).astype(jnp.uint32)
-    subnormal = (mant | jnp.uint32(0x80_0000)) >> shift
-    mag = jnp.where(
-        exp == 0,
-        jnp.uint32(0),
-        jnp.where(
-            new_exp >= 255,
-            jnp.uint32(0x7F80_0000),
-            jnp.where(new_exp >= 1, normal, subnormal),
-        ),
-    )
-    out = jax.lax.bitcast_convert_type(sign | mag, jnp.float32)
-    return jnp.where(s == _E8M0_NAN, jnp.float32(jnp.nan), out)
-
-
-def dequantize_mxfp4(packed, scale, dtype=jnp.bfloat16) -> jax.Array:
-    """Decode MXFP4 ``packed`` [..., out, in/2] u8 and ``scale`` [..., out, in/32] u8.
-
-    Returns ``[..., out, in]`` in ``dtype``, bit-exact: codes go through
-    ``float4_e2m1fn`` by bitcast, the scale is applied as an exact power of two in fp32,
-    then one cast to ``dtype`` (exact for bf16/fp32). Leading dims (stacked experts or
-    layers) are carried through. jit-compatible.
-    """
-    packed = jnp.asarray(packed)
-    scale = jnp.asarray(scale)
-    _check_uint8(packed.dtype, scale.dtype)
-    _check_shapes(packed.shape, scale.shape)
-    return _dequantize(packed, scale, jnp.dtype(dtype))
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _dequantize(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    lead = packed.shape[:-1]
-    n_in = 2 * packed.shape[-1]
-    groups = n_in // GROUP_SIZE
-    # Nibbles are split explicitly (low first) rather than bitcasting u8 -> f4 directly,
-    # whose nibble order is a backend layout detail.
-    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint4)
-    codes = jax.lax.bitcast_convert_type(nibbles, jnp.float4_e2m1fn)
-    vals = codes.astype(jnp.float32).reshape(*lead, groups, GROUP_SIZE)
-    out = _ldexp_e2m1_f32(vals, scale[..., None])
-    return out.reshape(*lead, n_in).astype(dtype)
 
 
 # -- decoding (numpy, for host-side streaming) ------------------------------------------

@@ -26,11 +26,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from k3jax.errors import K3JaxError
+
 CHUNK_BYTES = 64 << 20
 METADATA_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "commit_success.txt")
 
 
-class OrbaxCheckpointError(ValueError):
+class OrbaxCheckpointError(K3JaxError):
     """An Orbax checkpoint that does not hold what the config needs; the message names the leaf."""
 
 
@@ -124,9 +126,11 @@ def _item_format(item_dir: Path) -> tuple[bool, bool]:
 
 
 def stored_leaves(item_dir: str | os.PathLike) -> list[tuple[str, ...]]:
-    """Tree paths of an Orbax pytree item, from its `_METADATA`."""
+    """Tree paths of an Orbax pytree item's arrays, from its `_METADATA` (None leaves, which
+    Orbax records but stores nothing for, left out: a LoRA run's frozen base)."""
     meta = json.loads((Path(item_dir) / "_METADATA").read_text())
-    return [tuple(k["key"] for k in v["key_metadata"]) for v in meta["tree_metadata"].values()]
+    return [tuple(k["key"] for k in v["key_metadata"]) for v in meta["tree_metadata"].values()
+            if v.get("value_metadata", {}).get("value_type") != "None"]
 
 
 def open_leaf(item_dir: str | os.PathLike, path: tuple[str, ...]):
@@ -159,27 +163,32 @@ def default_shardings(abstract):
     return jax.tree.map(one, abstract)
 
 
-def restore_params(ckpt_dir, cfg, shardings=None, item: str = "params"):
+def restore_params(ckpt_dir, cfg, shardings=None, item: str = "params", prefix: tuple = ()):
     """Params of `cfg` from a k3jax checkpoint directory (or a bare Orbax item), each leaf
     read straight into its target sharding (default: the first device) and cast to the
-    model's param dtype for that leaf; nothing is assembled on the host first."""
+    model's param dtype for that leaf; nothing is assembled on the host first. `prefix`:
+    where the params sit inside the item (('params',) in a training run's TrainState)."""
     from flax import linen as nn
 
     from k3jax.model import abstract_params
 
     ckpt_dir = Path(ckpt_dir)
     item_dir = ckpt_dir / item if (ckpt_dir / item / "_METADATA").exists() else ckpt_dir
-    return restore_tree(item_dir, nn.unbox(abstract_params(cfg)), shardings)
+    return restore_tree(item_dir, nn.unbox(abstract_params(cfg)), shardings, prefix=prefix)
 
 
-def restore_tree(item_dir, abstract, shardings=None):
+def restore_tree(item_dir, abstract, shardings=None, prefix: tuple = ()):
     """An Orbax item onto the tree of ShapeDtypeStructs `abstract`: every leaf must be
-    stored at its shape (errors name the leaf); values are cast to the abstract dtypes."""
+    stored at its shape (errors name the leaf); values are cast to the abstract dtypes.
+    With `prefix`, the item holds more (a TrainState's optimizer state, say) and only the
+    subtree at `prefix` is read (Orbax's partial restore)."""
     import orbax.checkpoint as ocp
 
     item_dir = Path(item_dir)
-    want = {tuple(k.key for k in p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-    have = set(stored_leaves(item_dir))
+    prefix = tuple(prefix)
+    want = {prefix + tuple(k.key for k in p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    stored = stored_leaves(item_dir)
+    have = {p for p in stored if p[:len(prefix)] == prefix}
     missing = sorted(set(want) - have)
     extra = sorted(have - set(want))
     if missing or extra:
@@ -187,14 +196,21 @@ def restore_tree(item_dir, abstract, shardings=None):
             f"{item_dir}: checkpoint tree does not match the config: "
             f"missing {[leaf_name(p) for p in missing[:10]]}, unexpected {[leaf_name(p) for p in extra[:10]]}")
     for path, leaf in want.items():
-        stored = tuple(open_leaf(item_dir, path).shape)
-        if stored != tuple(leaf.shape):
-            raise OrbaxCheckpointError(f"{item_dir}: leaf {leaf_name(path)} has shape {stored}, "
+        shape = tuple(open_leaf(item_dir, path).shape)
+        if shape != tuple(leaf.shape):
+            raise OrbaxCheckpointError(f"{item_dir}: leaf {leaf_name(path)} has shape {shape}, "
                                        f"the config needs {tuple(leaf.shape)}")
     if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: dev, abstract)
     args = jax.tree.map(lambda a, s: ocp.ArrayRestoreArgs(sharding=s, global_shape=a.shape, dtype=a.dtype),
                         abstract, shardings)
+    item, partial = abstract, len(have) < len(stored)
+    for key in reversed(prefix):
+        item, args = {key: item}, {key: args}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        return ckptr.restore(item_dir.resolve(), args=ocp.args.PyTreeRestore(restore_args=args))
+        out = ckptr.restore(item_dir.resolve(), args=ocp.args.PyTreeRestore(
+            item=item if partial else None, restore_args=args, partial_restore=partial))
+    for key in prefix:
+        out = out[key]
+    return out

@@ -30,6 +30,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from k3jax.errors import K3JaxError
+
 __all__ = [
     "SafetensorsError",
     "SafetensorsFile",
@@ -79,7 +81,7 @@ for _name, _dt in DTYPES.items():
         _NAME_BY_DTYPE[_dt.newbyteorder(">")] = _name
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(K3JaxError):
     """A safetensors file, header or checkpoint index that cannot be read as written."""
 
 

@@ -24,8 +24,20 @@ def register(sub):
     p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon")
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts as bf16 or as the checkpoint's MXFP4")
     p.add_argument("--ep-capacity", type=float, default=0.0, help="ep_capacity_factor (0: dropless)")
+    p.add_argument("--ep-buffer-mib", type=float, default=None,
+                   help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train: LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
+    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
+    p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
+                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
+    p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
+                   help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill: tokens per device per chunk")
     p.add_argument("--depths", type=int, nargs=2, metavar=("N1", "N2"), default=None,
                    help="compile at these scanned-group counts and extrapolate to full depth "
@@ -54,22 +66,29 @@ def _chip(args):
 
 
 def _model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
-    """Model FLOPs per step (the CLI's MFU numerator) and the weights a decode step needs."""
+    """Model FLOPs per step (the CLI's MFU numerator: `flops_per_token`, a frozen base's
+    weights at 4 per value under LoRA) and the weights a decode step needs."""
     import math
 
     import jax
     from flax import linen as nn
 
-    from k3jax.model import abstract_params
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
     from k3jax.train.loop import flops_per_token
-    params = jax.tree.map(lambda x: x.value, abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    from k3jax.train.muon import param_groups
+    boxed = abstract_params(cfg)
+    if cfg.runtime.lora is not None:
+        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
+    params = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     k, E = cfg.num_experts_per_token or 1, cfg.num_experts or 1
-    per_token = flops_per_token(params, k / E) / (1 if mode == "train" else 3)
+    per_token = flops_per_token(params, k / E, param_groups(cfg, params), k)
+    if mode != "train":
+        per_token = flops_per_token(params, k / E, None, k) / 3   # forward only: 2 per weight value
     dense = expert = 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(p, "key", p)) for p in path]
         b = math.prod(x.shape) * x.dtype.itemsize
-        if keys[-1] in ("w1", "w2", "w3"):
+        if "block_sparse_moe" in keys and any(q in ("w1", "w2", "w3") for q in keys[-3:]):
             expert += b
         elif keys[0] != "embed_tokens":
             dense += b
@@ -79,6 +98,7 @@ def _model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
 
 
 def run(args) -> int:
+    import dataclasses
     import os
 
     import jax
@@ -103,8 +123,15 @@ def run(args) -> int:
     opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch, seq=args.seq,
                       remat=args.remat, optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=len(devices), hbm_gib=args.hbm_gib,
-                      ep_capacity_factor=args.ep_capacity, prefill_chunk=args.prefill_chunk)
+                      ep_capacity_factor=args.ep_capacity, prefill_chunk=args.prefill_chunk,
+                      lora_rank=args.lora_rank, lora_expert_rank=args.lora_expert_rank,
+                      lora_expert_mode=args.lora_expert_mode,
+                      lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
+                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
     overrides = parse_overrides(args.overrides or [])
+    if args.ep_buffer_mib is not None:
+        overrides.setdefault("runtime", {})["ep_buffer_mib"] = args.ep_buffer_mib
+        k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=args.ep_buffer_mib))
     log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)")
     out = {"config": args.config, "mesh": preset.name, "topology": args.topology, "devices": len(devices),
            "mode": args.mode, "chip": chip.name}
@@ -121,10 +148,11 @@ def run(args) -> int:
     fig = res["programs"][args.mode]
     batch = default_batch(preset, opt, len(devices))
     new = {"train": args.seq, "decode": 1}.get(args.mode) or prefill_tokens(preset, opt, batch, len(devices))
-    cfg = k3.text.with_runtime(param_dtype=args.param_dtype, dtype=args.param_dtype)
+    from k3jax.plan import run_config
+    cfg = run_config(k3.text.with_runtime(dtype=args.param_dtype), opt)
     model = _model_figures(cfg, args.mode, batch, batch * new)
     est = report.roofline(fig, chip, model["model_flops_per_step"], len(devices))
-    pl = plan(cfg, preset, opt, count_params(k3.text, k3.layout)["total"])
+    pl = plan(k3.text, preset, opt, count_params(k3.text, k3.layout)["total"])
     total = fig["memory"]["total"]
     out.update({
         "fits": bool(hbm is not None and total <= hbm), "hbm_bytes": hbm,

@@ -12,6 +12,8 @@ def register(sub):
     p.add_argument("--dry-run", action="store_true",
                    help="read only config.json and the index; list every missing / unexpected name")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or kept packed as MXFP4 bytes in the Orbax checkpoint")
     p.set_defaults(fn=run)
 
 
@@ -36,8 +38,9 @@ def run(args) -> int:
         print("k3jax convert: error: OUT_DIR is required unless --dry-run", file=sys.stderr)
         return 2
     t = time.perf_counter()
-    m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress)
+    m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, expert_format=args.expert_format)
     dt = time.perf_counter() - t
     print(f"wrote {args.out_dir}: {m['tensors']:,d} tensors, {m['source_bytes'] / 2**20:,.1f} MiB read "
-          f"in {dt:.1f} s ({m['source_bytes'] / 2**20 / max(dt, 1e-9):,.1f} MiB/s); experts {m['experts']}")
+          f"in {dt:.1f} s ({m['source_bytes'] / 2**20 / max(dt, 1e-9):,.1f} MiB/s); experts {m['experts']} "
+          f"(held as {m['expert_format']})")
     return 0

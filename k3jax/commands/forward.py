@@ -1,4 +1,8 @@
-"""`k3jax forward [CONFIG]`: random-init forward pass with timings, the quickest smoke test."""
+"""`k3jax forward [CONFIG | MODEL_DIR]`: one forward pass with timings, the quickest smoke test.
+
+A config (preset name, YAML, config.json) runs on random-init params; a model directory (HF
+checkpoint, `k3jax convert` output, training run or its checkpoints/N) runs on its params,
+restored onto the mesh when one is given."""
 from __future__ import annotations
 
 import contextlib
@@ -6,8 +10,9 @@ import time
 
 
 def register(sub):
-    p = sub.add_parser("forward", help="random-init forward pass with timings (toy smoke test)")
-    p.add_argument("config", nargs="?", default="toy")
+    p = sub.add_parser("forward", help="forward pass with timings: random init, or a model directory's params")
+    p.add_argument("config", nargs="?", default="toy",
+                   help="preset / YAML / config.json (random init), or a model directory (its params)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
@@ -15,6 +20,9 @@ def register(sub):
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk"])
     p.add_argument("--moe-dispatch", default=None, choices=["dense", "ragged", "ep"],
                    help="default: 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are initialised "
                         "sharded over it and the batch is split by its rules")
@@ -25,6 +33,7 @@ def run(args) -> int:
     import jax
     import numpy as np
 
+    from k3jax.checkpoint.load import is_model_dir, load_model_dir
     from k3jax.config import load
     from k3jax.model import forward, init_params, layer_plan
 
@@ -33,7 +42,15 @@ def run(args) -> int:
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
     dispatch = args.moe_dispatch or ("ep" if mesh is not None and mesh.shape["expert"] > 1 else "ragged")
-    cfg = load(args.config, kda_impl=args.kda_impl, moe_dispatch=dispatch)
+    from_dir = is_model_dir(args.config)
+    runtime = {"kda_impl": args.kda_impl, "moe_dispatch": dispatch, "expert_format": args.expert_format}
+    if from_dir:
+        shardings = None if mesh is None else (lambda c: sharding.param_shardings(c, mesh, rules))
+        t = time.perf_counter()
+        k3, params = load_model_dir(args.config, runtime, shardings)
+        cfg, load_s = k3.text, time.perf_counter() - t
+    else:
+        cfg = load(args.config, **runtime)
     plan = layer_plan(cfg)
     where = (f"mesh {dict(mesh.shape)}" if mesh is not None
              else f"devices: {jax.devices()[0].platform} x{jax.device_count()}")
@@ -45,16 +62,21 @@ def run(args) -> int:
     tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (args.batch, args.seq), dtype=np.int32)
     with contextlib.ExitStack() as stack:
         t = time.perf_counter()
-        if mesh is None:
-            params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(args.seed)))
-        else:
+        if mesh is not None:
             stack.enter_context(sharding.use_mesh(mesh, rules))
+        if not from_dir and mesh is None:
+            params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(args.seed)))
+        elif not from_dir:
             params = jax.block_until_ready(sharding.init_params_sharded(cfg, jax.random.PRNGKey(args.seed), mesh, rules))
+        if mesh is not None:
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
             spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
             tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
         n = sum(x.size for x in jax.tree.leaves(params))
-        print(f"init: {n:,d} params in {time.perf_counter() - t:.1f} s", flush=True)
+        if from_dir:
+            print(f"loaded {args.config}: {n:,d} params in {load_s:.1f} s", flush=True)
+        else:
+            print(f"init: {n:,d} params in {time.perf_counter() - t:.1f} s", flush=True)
         t = time.perf_counter()
         logits = jax.block_until_ready(forward(cfg, params, tokens))
         first = time.perf_counter() - t

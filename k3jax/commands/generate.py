@@ -1,6 +1,7 @@
 """`k3jax generate DIR --prompt TEXT`: prefill + cached decode, streaming the text.
 
-DIR is an HF safetensors directory or a `k3jax convert` output. Text prompts use the
+DIR is an HF safetensors directory, a `k3jax convert` output, a training run directory
+(its newest checkpoint) or one of its `checkpoints/N`. Text prompts use the
 byte tokenizer for byte-level vocabularies (≤ 512 ids, the toy configs); the real
 163,840-id vocabulary needs the checkpoint's tokenizer file (`--tokenizer
 tiktoken.model`), or token ids made with it (`--prompt-ids`). `--out` writes the
@@ -11,6 +12,13 @@ Images (`--image FILE...`): in `--prompt` text the config's `image_placeholder` 
 right after bos; `--prompt-ids` hold one `<|media_pad|>` per image. The pads are expanded
 into each image's rows, prefill writes the image features there, decode runs as for text.
 `--mesh PRESET` shards the params over a mesh as `k3jax logits --mesh` does.
+
+Chat (`--messages CONV.json`, a list of OpenAI-shape messages or {"messages", "tools"};
+`--tools TOOLS.json`): the prompt is rendered in K3's XTML format (k3jax.chat) with the
+generation prompt, decoding stops at `<|end_of_msg|>`, and reasoning and answer stream
+apart; `--json` prints {"reasoning_content", "content", "tool_calls"} instead. Images in user
+messages (data URLs or files next to CONV.json) go through the vision tower. The tokenizer is
+`--tokenizer`, else DIR's tiktoken.model, else the byte vocabulary of a toy config.
 """
 from __future__ import annotations
 
@@ -21,10 +29,18 @@ import sys
 
 def register(sub):
     p = sub.add_parser("generate", help="prefill + cached decode; streams text or writes generated ids")
-    p.add_argument("model_dir", help="HF safetensors directory or k3jax checkpoint")
+    p.add_argument("model_dir", help="HF safetensors directory, k3jax checkpoint, training run directory "
+                                     "or its checkpoints/N")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (byte-level vocabularies only)")
     src.add_argument("--prompt-ids", help=".npy of token ids, [T] or [B, T] (rows must be full length)")
+    src.add_argument("--messages", help="JSON chat: a list of messages, or {'messages': [...], 'tools': [...]}")
+    p.add_argument("--tools", help="JSON list of tool declarations (OpenAI shape) for --messages")
+    p.add_argument("--thinking-effort", default="max", choices=["low", "high", "max", "none"],
+                   help="--messages: K3's thinking effort message (default max; 'none' leaves it out)")
+    p.add_argument("--no-thinking", action="store_true", help="--messages: answer without a think element")
+    p.add_argument("--json", action="store_true",
+                   help="--messages: print the reply as JSON {reasoning_content, content, tool_calls}")
     p.add_argument("--tokenizer", help="tiktoken BPE file of the real vocabulary (tiktoken.model)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -34,19 +50,22 @@ def register(sub):
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating past the eos token")
     p.add_argument("--out", help="write {'prompt_ids', 'generated_ids'} as JSON here")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="params and compute dtype (default: the checkpoint's)")
+                   help="params and compute dtype (default: float32; a run's own training dtypes)")
     p.add_argument("--image", nargs="+", metavar="FILE", help="image files the prompt refers to, in order")
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are sharded over it, "
                         "with 'ep' expert dispatch where its expert axis is > 1")
     p.set_defaults(fn=run)
 
 
-def load(model_dir, dtype=None, shardings=None, vision=False):
+def load(model_dir, dtype=None, shardings=None, vision=False, expert_format=None):
     """(K3Config, params) of an HF directory or k3jax checkpoint; see `load_model_dir`."""
     from k3jax.checkpoint.load import load_model_dir
     runtime = {"param_dtype": dtype, "dtype": dtype} if dtype else None
-    return load_model_dir(model_dir, runtime, shardings, vision=vision)
+    return load_model_dir(model_dir, runtime, shardings, vision=vision, expert_format=expert_format)
 
 
 def _encode(tok, k3, text: str, n_images: int) -> list[int]:
@@ -80,10 +99,17 @@ def run(args) -> int:
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
         shardings = lambda c: sharding.param_shardings(c, mesh, rules)  # noqa: E731
-    k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image))
+    chat = _read_chat(args) if args.messages else None
+    k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image or (chat and chat[2])),
+                      expert_format=args.expert_format)
     cfg = k3.text
     if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")
+    if chat is not None:
+        with contextlib.ExitStack() as scope:
+            if mesh is not None:
+                scope.enter_context(sharding.use_mesh(mesh, rules))
+            return _generate_chat(args, k3, cfg, params, chat, sampling)
     images = None
     if args.image:
         from k3jax.vision.multimodal import images_from_files
@@ -148,4 +174,82 @@ def run(args) -> int:
     elif tok is None:
         for row in out:
             print(" ".join(map(str, row)))
+    return 0
+
+
+def _read_chat(args):
+    """(messages, tools, user image sources) of --messages / --tools."""
+    import os
+
+    from k3jax.chat import user_images
+    if args.image:
+        raise ValueError("--messages carries its images in the user messages; drop --image")
+
+    def read(path, what):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    conv = read(args.messages, "--messages")
+    tools = conv.get("tools") if isinstance(conv, dict) else None
+    messages = conv.get("messages") if isinstance(conv, dict) else conv
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"--messages {args.messages}: expected a non-empty list of messages or {{'messages': [...]}}")
+    if args.tools:
+        tools = read(args.tools, "--tools")
+        if not isinstance(tools, list):
+            raise ValueError(f"--tools {args.tools}: expected a list of tool declarations")
+    return messages, tools, user_images(messages, os.path.dirname(os.path.abspath(args.messages)), args.messages)
+
+
+def _chat_tokenizer(args, k3):
+    import os
+
+    from k3jax.tokenizer import ByteTokenizer, tokenizer_for
+    path = args.tokenizer or (os.path.join(args.model_dir, "tiktoken.model")
+                              if os.path.isfile(os.path.join(args.model_dir, "tiktoken.model")) else None)
+    if path:
+        return tokenizer_for(k3, "tiktoken", path)
+    if k3.text.vocab_size > 512:
+        raise ValueError(f"--messages needs the tokenizer: {args.model_dir} holds no tiktoken.model; pass --tokenizer")
+    return ByteTokenizer.for_config(k3)
+
+
+def _generate_chat(args, k3, cfg, params, chat, sampling) -> int:
+    from k3jax.chat.generation import generate_reply
+    from k3jax.chat.images import image_size
+    messages, tools, sources = chat
+    tok = _chat_tokenizer(args, k3)
+    images = sizes = None
+    if sources:
+        from k3jax.vision.multimodal import images_from_files, media_pad_id
+        pixels, grids = images_from_files(args.model_dir, k3.vision, sources)
+        images, sizes = (k3.vision, pixels, grids, media_pad_id(k3)), [image_size(s) for s in sources]
+    tty = sys.stdout.isatty()
+    shown = {"kind": None}
+
+    def on_text(kind, text):
+        if kind != shown["kind"]:
+            label = "reasoning" if kind == "reasoning" else "answer"
+            sys.stdout.write(("\n" if shown["kind"] else "") + f"[{label}]\n")
+            shown["kind"] = kind
+        sys.stdout.write(f"\033[2m{text}\033[0m" if tty and kind == "reasoning" else text)
+        sys.stdout.flush()
+    effort = None if args.thinking_effort == "none" else args.thinking_effort
+    reply, ids = generate_reply(cfg, params, tok, messages, tools, max_new_tokens=args.max_new_tokens,
+                                sampling=sampling, thinking=not args.no_thinking, thinking_effort=effort,
+                                images=images, image_sizes=sizes, on_text=None if args.json else on_text)
+    if args.json:
+        print(json.dumps(reply, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        for call in reply["tool_calls"]:
+            print(f"[tool call] {json.dumps(call, ensure_ascii=False)}")
+    if args.out:
+        import os
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"reply": reply, "generated_ids": ids}, f, ensure_ascii=False)
+        os.replace(tmp, args.out)
     return 0

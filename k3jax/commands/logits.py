@@ -9,7 +9,8 @@ from __future__ import annotations
 
 def register(sub):
     p = sub.add_parser("logits", help="fp32 logits of a forward pass from an HF or Orbax checkpoint")
-    p.add_argument("dir", help="HF safetensors directory or `k3jax convert` output")
+    p.add_argument("dir", help="HF safetensors directory, `k3jax convert` output, training run directory "
+                               "or its checkpoints/N")
     p.add_argument("--tokens", required=True, help=".npy of integer token ids [batch, length] (or [length])")
     p.add_argument("--out", required=True, help="where to write the float32 logits .npy [batch, length, vocab]")
     p.add_argument("--image", nargs="+", metavar="FILE",
@@ -17,6 +18,9 @@ def register(sub):
     p.add_argument("--pixels", help="instead of --image: float .npy [num_patches, 3, P, P], reference layout")
     p.add_argument("--grids", help="with --pixels: int .npy [num_images, 3] (t, h, w) in patches")
     p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk", "assoc", "pallas"])
+    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
+                        "dequantized tile by tile inside the expert matmuls")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params and tokens are sharded "
                         "over it, with 'ep' expert dispatch where its expert axis is > 1")
@@ -36,7 +40,8 @@ def run(args) -> int:
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{args.tokens}: token ids must be integers, got {tokens.dtype}")
     # fp32 params and activations: this command is the parity reference path
-    runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl}
+    runtime = {"param_dtype": "float32", "dtype": "float32", "kda_impl": args.kda_impl,
+               "expert_format": args.expert_format}
     tokens = tokens.astype(np.int32)
     declared = load_config(args.dir)
     images = mm.images_from_args(args, declared.vision, args.dir)

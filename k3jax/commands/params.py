@@ -6,16 +6,17 @@ import json
 
 def register(sub):
     p = sub.add_parser("params", help="total and activated parameter counts (nothing allocated)")
-    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset or config.json")
+    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
+                                     "directory (checkpoint, training run)")
     p.add_argument("--json", action="store_true", help="print one JSON object {total, active, ...}")
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
-    from k3jax.config import load_k3
+    from k3jax.checkpoint.load import load_any_config
     from k3jax.param_count import count_params
 
-    k3 = load_k3(args.config)
+    k3 = load_any_config(args.config)
     counts = count_params(k3.text, k3.layout)
     if args.json:
         print(json.dumps(counts))

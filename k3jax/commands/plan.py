@@ -7,7 +7,8 @@ import json
 
 def register(sub):
     p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
-    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset or config.json")
+    p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
+                                     "directory (checkpoint, training run)")
     p.add_argument("--mesh", required=True, help="mesh preset in configs/meshes/ or a YAML path")
     p.add_argument("--mode", choices=["train", "infer"], default="train")
     p.add_argument("--hbm-gib", type=float, default=None, help="per-device memory (default: the preset's)")
@@ -21,15 +22,26 @@ def register(sub):
     p.add_argument("--devices", type=int, default=None, help="device count, for presets with a -1 axis")
     p.add_argument("--ep-capacity", type=float, default=0.0,
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train with LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
+    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
+    p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
+                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
+    p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
+                   help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
+    p.add_argument("--ep-buffer-mib", type=float, default=None,
+                   help="RuntimeOptions.ep_buffer_mib of the run ('ep' exchanges run in chunks above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(fn=run)
 
 
 @functools.lru_cache(maxsize=4)
 def _total_params(config: str) -> int:
-    from k3jax.config import load_k3
+    from k3jax.checkpoint.load import load_any_config
     from k3jax.param_count import count_params
-    k3 = load_k3(config)
+    k3 = load_any_config(config)
     return count_params(k3.text, k3.layout)["total"]
 
 
@@ -38,23 +50,28 @@ def _gib(n) -> str:
 
 
 def run(args) -> int:
-    from k3jax.config import load_k3
+    from k3jax.checkpoint.load import load_any_config
     from k3jax.plan import PlanOptions, plan
     from k3jax.sharding import load_preset
 
-    k3 = load_k3(args.config)
+    k3 = load_any_config(args.config)
     preset = load_preset(args.mesh)
     opt = PlanOptions(mode=args.mode, batch=args.batch, seq=args.seq, remat=args.remat,
                       optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib,
-                      ep_capacity_factor=args.ep_capacity)
-    out = plan(k3.text, preset, opt, _total_params(args.config))
+                      ep_capacity_factor=args.ep_capacity, lora_rank=args.lora_rank,
+                      lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
+                      lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
+                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
+    text = k3.text if args.ep_buffer_mib is None else k3.text.with_runtime(ep_buffer_mib=args.ep_buffer_mib)
+    out = plan(text, preset, opt, _total_params(args.config))
     if args.json:
         print(json.dumps(out))
         return 0
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
     print(f"{args.config} on {preset.name} ({shape}; {out['devices']} devices), {args.mode}: "
-          f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}")
+          f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
+          f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else ""))
     print(f"params {out['params']:,d}; MLA cache {out['mla_cache_values_per_token']:,d} values/token; "
           f"KDA state {out['kda_state_values_per_sequence']:,d} values/sequence")
     for k, v in out["bytes_per_device"].items():

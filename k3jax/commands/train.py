@@ -5,47 +5,32 @@ import os
 
 
 def register(sub):
-    p = sub.add_parser("train", help="train or fine-tune from a YAML preset (see k3jax/train/config.py)")
+    p = sub.add_parser("train", help="train or fine-tune from a YAML preset (see k3jax/train/config.py)",
+                       epilog="exit codes: 0 done, 2 bad input, 3 non-finite loss, 42 preempted (SIGTERM to "
+                              "any process: every process saved the same step; rerun the same command to "
+                              "resume; xpk restarts on 42, launch/slurm_gpu.sbatch requeues)")
     p.add_argument("config", help="a YAML preset with a train: section, or a preset name")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. steps=200 optimizer.lr=1e-3 run_name=a")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: shard params, optimizer state "
                         "and batches over it; 'ep' expert dispatch where the expert axis is > 1")
     p.add_argument("--distributed", choices=["auto", "on", "off"], default="auto",
-                   help="call jax.distributed.initialize() first: 'auto' does so when a multi-host "
-                        "launcher is detected (SLURM with several tasks, a TPU pod, or "
-                        "JAX_COORDINATOR_ADDRESS set). Where jax cannot detect the cluster, set "
-                        "JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID")
+                   help="join a multi-process job (jax.distributed) before anything else: 'auto' when "
+                        "the launch describes several processes (SLURM srun step, Open MPI mpirun, "
+                        "GKE/xpk TPU pod incl. multislice, Cloud TPU VM pod slice, or "
+                        "JAX_COORDINATOR_ADDRESS=HOST:PORT with JAX_NUM_PROCESSES and JAX_PROCESS_ID); "
+                        "'on' fails when none is found; 'off' never (see k3jax/distributed.py)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not use the persistent XLA compilation cache (~/.cache/k3jax/xla)")
     p.set_defaults(fn=run)
 
 
-def _multi_host_launch() -> bool:
-    env = os.environ
-    return bool(env.get("JAX_COORDINATOR_ADDRESS") or int(env.get("SLURM_NTASKS", "1")) > 1
-                or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1)
-
-
-def _process_env() -> dict:
-    """num_processes / process_id from JAX_NUM_PROCESSES / JAX_PROCESS_ID. jax reads only
-    JAX_COORDINATOR_ADDRESS from the environment; these two complete a launch that no cluster
-    manager describes (plain hosts, or several local processes as in the tests)."""
-    out = {}
-    for var, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
-        if os.environ.get(var, "") != "":
-            try:
-                out[key] = int(os.environ[var])
-            except ValueError:
-                raise ValueError(f"{var}={os.environ[var]!r} is not an integer") from None
-    return out
-
-
 def run(args) -> int:
     import jax
+
+    from k3jax import distributed
     # Before anything touches a device: every host must join before the mesh is built.
-    if args.distributed == "on" or (args.distributed == "auto" and _multi_host_launch()):
-        jax.distributed.initialize(**_process_env())
+    distributed.initialize(args.distributed, log=lambda s: print(s, flush=True))
     # Compiling the train step dominates a short CPU run; a rerun or resume reuses it.
     if not args.no_compile_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir",

@@ -23,11 +23,11 @@ import numpy as np
 from k3jax.config import ModelConfig
 from k3jax.infer.caches import Cache, apply_updates, empty_past, init_cache
 from k3jax.infer.sampling import SamplingParams, sample, step_key
-from k3jax.model import InputError, K3Model, validate_inputs
+from k3jax.model import InputError, K3Model, validate_inputs, variables_of
 
 
 def _run(cfg, params, past_layers, lengths, tokens, n_new, features=None, rows=None):
-    return K3Model(cfg).apply({"params": params}, tokens, cache=past_layers, pos=(lengths, n_new),
+    return K3Model(cfg).apply(variables_of(params), tokens, cache=past_layers, pos=(lengths, n_new),
                               image_features=features, feature_rows=rows)
 
 

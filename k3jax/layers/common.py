@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
+from k3jax.layout import layer_subpath
 
 # Contractions feeding a softmax or a top-k selection (AttnRes scores, router logits) run
 # at full fp32 precision: at TPU default precision they lose ~3 significant digits.
@@ -30,11 +31,73 @@ def logical(init, axes: tuple[str, ...]):
     return nn.with_logical_partitioning(init, axes)
 
 
-def dense(cfg: ModelConfig, features: int, axes: tuple[str, str], name: str,
-          precision=None) -> nn.Dense:
-    """A bias-free projection; kernel [in, out] (the checkpoint stores [out, in])."""
-    return nn.Dense(features, use_bias=False, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
-                    kernel_init=matrix_init(axes), precision=precision, name=name)
+def lora_a_init(axes: tuple, in_axis: int = -2):
+    """LoRA's A: uniform in ±1/√fan_in (PEFT's kaiming-uniform with a = √5), logical axes."""
+    return logical(nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", in_axis=in_axis), axes)
+
+
+def lora_b_init(axes: tuple):
+    """LoRA's B: zeros, so the adapted model starts as the base. Computed from the key (as
+    0 · u) so that under `init_params`' vmap over layers B is batched like every other
+    leaf: jax's ragged_dot batching rule rejects an unbatched operand."""
+    def init(key, shape, dtype):
+        return jnp.zeros(shape, dtype) * jax.random.uniform(key, (), dtype)
+    return logical(init, axes)
+
+
+def lora_target(cfg: ModelConfig, module: nn.Module):
+    """(LoraSpec, target) when this module's place in its decoder layer is a LoRA target."""
+    lora = cfg.runtime.lora
+    if lora is None:
+        return None, None
+    target = layer_subpath(module.path)
+    return (lora, target) if target in lora.targets else (None, None)
+
+
+class Dense(nn.Module):
+    """A bias-free projection x @ kernel, kernel [in, out] (the checkpoint stores [out, in]),
+    the same arithmetic as nn.Dense. As a LoRA target (`RuntimeOptions.lora`) it adds
+    (alpha/r)·(x @ A) @ B, A [in, r] and B [r, out] in the `lora` collection, B zero at
+    init so the adapted model starts as the base."""
+    cfg: ModelConfig
+    features: int
+    axes: tuple[str, str]
+    precision: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dt = self.cfg, compute_dtype(self.cfg)
+        kernel = self.param("kernel", matrix_init(self.axes), (x.shape[-1], self.features), param_dtype(cfg))
+        xc, kc = nn.dtypes.promote_dtype(x, kernel, dtype=dt)
+        y = jax.lax.dot_general(xc, kc, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        lora, target = lora_target(cfg, self)
+        if lora is None:
+            return y
+        r = lora.rank_of(target)
+        a = self.variable("lora", "lora_a", lambda: lora_a_init((self.axes[0], None))(
+            self.make_rng("lora"), (x.shape[-1], r), param_dtype(cfg))).value
+        b = self.variable("lora", "lora_b", lambda: lora_b_init((None, self.axes[1]))(
+            self.make_rng("lora"), (r, self.features), param_dtype(cfg))).value
+        low = jnp.dot(xc, a.astype(dt), precision=self.precision)
+        return y + lora.scale_of(target) * jnp.dot(low, b.astype(dt), precision=self.precision)
+
+
+def dense(cfg: ModelConfig, features: int, axes: tuple[str, str], name: str, precision=None) -> Dense:
+    """A bias-free projection; see `Dense`."""
+    return Dense(cfg, features, axes, precision, name=name)
+
+
+def merged_kernel(cfg: ModelConfig, module: nn.Module, name: str):
+    """The effective kernel W + (alpha/r)·A·B of the child projection `name` (W alone when it
+    is not a LoRA target): for paths that use the weight itself (MLA's absorbed decode)."""
+    kernel = nn.unbox(module.variables["params"][name]["kernel"])
+    lora = cfg.runtime.lora
+    target = layer_subpath(module.path + (name,))
+    if lora is None or target not in lora.targets:
+        return kernel
+    ad = module.variables["lora"][name]
+    a, b = nn.unbox(ad["lora_a"]).astype(jnp.float32), nn.unbox(ad["lora_b"]).astype(jnp.float32)
+    return (kernel.astype(jnp.float32) + lora.scale_of(target) * (a @ b)).astype(kernel.dtype)
 
 
 def constrain(x, axes: tuple[str | None, ...]):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import compute_dtype, dense
+from k3jax.layers.common import compute_dtype, dense, merged_kernel
 from k3jax.layers.norms import RMSNorm
 
 
@@ -22,8 +22,27 @@ def attention_mask(T: int, segment_ids=None):
     return causal & same
 
 
-def softmax_attention(q, k, v, mask, scale: float):
-    """q, k [B, T, H, Dk], v [B, T, H, Dv]; scores and softmax in fp32."""
+def softmax_attention(q, k, v, mask, scale: float, q_block: int = 0):
+    """q, k [B, T, H, Dk], v [B, T, H, Dv]; scores and softmax in fp32.
+
+    `q_block` > 0 and < T: the queries go through in blocks of that many, each block
+    rematerialised, so the fp32 scores and probabilities alive at once are [B, H, block, T]
+    instead of [B, H, T, T] (8.6 GB per sequence at T = 4096 with K3's 64 heads), forward
+    and backward. Every query row sees the same keys and mask either way."""
+    T = q.shape[1]
+    if not q_block or q_block >= T:
+        return _attend(q, k, v, mask, scale)
+    n = -(-T // q_block)
+    pad = n * q_block - T
+    qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(q.shape[0], n, q_block, *q.shape[2:])
+    mb = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=True)
+    mb = mb.reshape(*mask.shape[:2], n, q_block, mask.shape[-1])
+    out = jax.lax.map(jax.checkpoint(lambda a: _attend(a[0], k, v, a[1], scale)),
+                      (jnp.moveaxis(qb, 1, 0), jnp.moveaxis(mb, 2, 0)))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], n * q_block, *out.shape[3:])[:, :T]
+
+
+def _attend(q, k, v, mask, scale: float):
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
     s = jnp.where(mask, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
@@ -95,10 +114,11 @@ class GatedMLA(nn.Module):
 
         if cache is not None:
             entries = jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1)
-            kv_b = nn.unbox(self.variables["params"]["kv_b_proj"]["kernel"]).reshape(cfg.kv_lora_rank, H, dn + dv)
+            kv_b = merged_kernel(cfg, self, "kv_b_proj").reshape(cfg.kv_lora_rank, H, dn + dv)
             o = absorbed_attention(q, entries, cache["kv"], lengths, kv_b, dn, cfg.q_head_dim ** -0.5)
             return output(o.astype(compute_dtype(cfg))), entries
         kv = dense(cfg, H * (dn + dv), ("kv_lora", "heads_x_dim"), "kv_b_proj")(c).reshape(B, T, H, dn + dv)
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_r[:, :, None, :], (B, T, H, dr))], axis=-1)
-        o = softmax_attention(q, k, kv[..., dn:], attention_mask(T, segment_ids), cfg.q_head_dim ** -0.5)
+        o = softmax_attention(q, k, kv[..., dn:], attention_mask(T, segment_ids), cfg.q_head_dim ** -0.5,
+                              cfg.runtime.attention_q_block)
         return output(o)

@@ -5,7 +5,8 @@ oracle); `ragged` sorts the (token, expert) pairs by expert and runs one grouped
 per weight (`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) —
 dropless, no capacity factor, each device on its own tokens under a mesh; `ep` sends each pair to
 the device that owns its expert and runs the grouped matmuls there, dropless by default or
-with a receive capacity (`RuntimeOptions.ep_capacity_factor`). All combine in fp32.
+with a receive capacity (`RuntimeOptions.ep_capacity_factor`); `gather` (decode) reads
+only the experts the step's few tokens chose. All combine in fp32.
 """
 from __future__ import annotations
 
@@ -19,13 +20,21 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import HIGHEST, compute_dtype, dense, logical, matrix_init, param_dtype
+from k3jax.layers.common import (HIGHEST, compute_dtype, dense, logical, lora_a_init, lora_b_init, matrix_init,
+                                 param_dtype)
+from k3jax.layout import layer_subpath
 from k3jax.layers.mlp import GatedMLP, glu_activation
 from k3jax.layers.norms import RMSNorm
-from k3jax.ops.grouped_matmul import grouped_matmul
-from k3jax.ops.moe_gather import experts_gather
+from k3jax.ops.experts import (adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits,
+                               weight_spec)
+from k3jax.ops.mxfp4 import GROUP_SIZE, MXFP4, quantize_mxfp4_jax
+from k3jax.ops.moe_gather import gather_local
 from k3jax.ops.platform import target_backend
 from k3jax.sharding import active_mesh_axes
+
+# The three routed-expert weights; w1/w3 map latent -> hidden, w2 hidden -> latent.
+ROLES = ("w1", "w2", "w3")
+_HIDDEN_IS_OUT = {"w1": True, "w3": True, "w2": False}
 
 
 def route(x, gate_w, bias, top_k: int, renormalize: bool, scaling: float):
@@ -61,16 +70,40 @@ def _top_k_indices(x, top_k: int):
     return jax.shard_map(lambda x: jax.lax.top_k(x, top_k)[1], in_specs=spec, out_specs=spec)(x)
 
 
-def experts_dense(cfg: ModelConfig, z, idx, w, w1, w2, w3):
-    """Every expert on every token, combined with a [N, E] weight matrix (zero off top-k)."""
-    comb = jnp.sum(jax.nn.one_hot(idx, w1.shape[0], dtype=jnp.float32) * w[..., None], axis=1)
-    g = jnp.einsum("nd,edf->nef", z, w1)
-    u = jnp.einsum("nd,edf->nef", z, w3)
-    out = jnp.einsum("nef,efd->ned", glu_activation(cfg, g, u), w2)
+def _scale(cfg: ModelConfig, role: str) -> float:
+    return cfg.runtime.lora.scale_of(f"block_sparse_moe/{role}")
+
+
+def experts_dense(cfg: ModelConfig, z, idx, w, weights, adapters):
+    """Every expert on every token, combined with a [N, E] weight matrix (zero off top-k).
+    MXFP4 stacks are widened whole here: this is the small-config oracle."""
+    ws = {r: dense_weight(weights[r], z.dtype) for r in ROLES}
+    for r, ad in adapters.items():
+        ws[r] = ws[r] + dense_adapter_delta(ad, _scale(cfg, r), z.dtype)
+    comb = jnp.sum(jax.nn.one_hot(idx, ws["w1"].shape[0], dtype=jnp.float32) * w[..., None], axis=1)
+    g = jnp.einsum("nd,edf->nef", z, ws["w1"])
+    u = jnp.einsum("nd,edf->nef", z, ws["w3"])
+    out = jnp.einsum("nef,efd->ned", glu_activation(cfg, g, u), ws["w2"])
     return jnp.einsum("ne,ned->nd", comb, out.astype(jnp.float32), precision=HIGHEST)
 
 
-def _ragged_local(cfg: ModelConfig, tensor: str | None, z, idx, w, w1, w2, w3):
+def _ffn(cfg: ModelConfig, rows, sizes, weights, adapters):
+    """The expert FFN on rows sorted by expert."""
+    mm = lambda x, r: expert_matmul(x, weights[r], sizes, adapters.get(r),  # noqa: E731
+                                    _scale(cfg, r) if r in adapters else 0.0)
+    return mm(glu_activation(cfg, mm(rows, "w1"), mm(rows, "w3")), "w2")
+
+
+def _num_experts(weights) -> int:
+    return jax.tree.leaves(weights["w1"])[0].shape[0]
+
+
+def _specs(weights, adapters, expert, tensor):
+    return ({r: weight_spec(weights[r], expert, tensor, _HIDDEN_IS_OUT[r]) for r in ROLES},
+            {r: adapter_spec(ad, expert, tensor, _HIDDEN_IS_OUT[r]) for r, ad in adapters.items()})
+
+
+def _ragged_local(cfg: ModelConfig, tensor: str | None, z, idx, w, weights, adapters):
     """Sort (token, slot) pairs by expert, grouped matmuls, unsort, fp32 combine. Token
     ids >= E (padding) sort last, count for no expert and come out zero. With the expert
     hidden split over `tensor`, each shard's w2 product is partial: summed there."""
@@ -78,18 +111,18 @@ def _ragged_local(cfg: ModelConfig, tensor: str | None, z, idx, w, w1, w2, w3):
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     rows = z[order // k]
-    sizes = jnp.bincount(flat, length=w1.shape[0]).astype(jnp.int32)
-    g = grouped_matmul(rows, w1, sizes)
-    u = grouped_matmul(rows, w3, sizes)
-    out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
+    sizes = jnp.bincount(flat, length=_num_experts(weights)).astype(jnp.int32)
+    out = _ffn(cfg, rows, sizes, weights, adapters)
     unsorted = jnp.zeros_like(out).at[order].set(out)
     y = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
     return jax.lax.psum(y, tensor) if tensor else y
 
 
-def _tensor_axis(sizes: dict, hidden: int) -> str | None:
-    """`tensor` where it splits the expert hidden evenly, else None (hidden replicated)."""
-    return "tensor" if sizes.get("tensor", 1) > 1 and hidden % sizes["tensor"] == 0 else None
+def _tensor_axis(sizes: dict, weights) -> str | None:
+    """`tensor` where it splits every expert weight's hidden evenly, else None (replicated)."""
+    t = sizes.get("tensor", 1)
+    ok = t > 1 and all(hidden_splits(weights[r], _HIDDEN_IS_OUT[r], t) for r in ROLES)
+    return "tensor" if ok else None
 
 
 def _split_tokens(z, idx, w, shards: int, num_experts: int):
@@ -104,7 +137,7 @@ def _split_tokens(z, idx, w, shards: int, num_experts: int):
     return z, idx, w, n
 
 
-def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
+def experts_ragged(cfg: ModelConfig, z, idx, w, weights, adapters):
     """Dropless grouped matmuls over every expert. Under a mesh each device sorts and runs
     its own tokens (a shard_map over the token axes, every expert's weights on every
     device, their hidden split over `tensor`): left to XLA's partitioner, the sort
@@ -112,15 +145,14 @@ def experts_ragged(cfg: ModelConfig, z, idx, w, w1, w2, w3):
     expert matmuls."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
-    tok, tensor = _token_axes(), _tensor_axis(sizes, w1.shape[-1])
+    tok, tensor = _token_axes(), _tensor_axis(sizes, weights)
     if not tok and not tensor:
-        return _ragged_local(cfg, None, z, idx, w, w1, w2, w3)
-    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[a] for a in tok), w1.shape[0])
+        return _ragged_local(cfg, None, z, idx, w, weights, adapters)
+    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[a] for a in tok), _num_experts(weights))
     ts = PartitionSpec(tok or None)
-    wspec_in, wspec_out = PartitionSpec(None, None, tensor), PartitionSpec(None, tensor, None)
     fn = jax.shard_map(functools.partial(_ragged_local, cfg, tensor),
-                       in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=ts)
-    return fn(z, idx, w, w1, w2, w3)[:n]
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, None, tensor)), out_specs=ts)
+    return fn(z, idx, w, weights, adapters)[:n]
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,12 +209,49 @@ def _ragged_a2a(mode: str):
     return _emulated_ragged_a2a
 
 
-def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2, w3):
-    """One device's part: its tokens `z` [n, H], its experts w* [E/P, ...]."""
+def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cfg: ModelConfig) -> int:
+    """Chunks a device's `n` tokens go through the 'ep' exchange in, one after the other, so
+    that a chunk's receive buffer ([rows, hidden], `ep_receive_rows`) stays within
+    `RuntimeOptions.ep_buffer_mib`: dropless sizing is worst-case (every peer's pairs on
+    one device), P x the mean, and the expert FFN's intermediates scale with it."""
+    budget = cfg.runtime.ep_buffer_mib * (1 << 20)
+    factor = cfg.runtime.ep_capacity_factor
+
+    def fits(m: int) -> bool:
+        return ep_receive_rows(m * k, expert_shards, factor) * hidden * itemsize <= budget
+
+    if not budget or fits(n):
+        return 1
+    # the most tokens a chunk may hold; chunks are then evened out, never above it
+    per_token = ep_receive_rows(k, expert_shards, 0.0 if not factor else factor) * hidden * itemsize
+    m = max(1, min(n, int(budget // per_token)))
+    while m > 1 and not fits(m):
+        m -= 1
+    return -(-n // m)
+
+
+def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, weights, adapters):
+    """One device's part: its tokens `z` [n, H], its experts' weights [E/P, ...], in
+    `ep_chunks` chunks of tokens (each rematerialised, so only one chunk's buffers are live
+    in the backward too); padding tokens route nowhere (expert id E)."""
+    n, k = idx.shape
+    P = jax.lax.axis_size("expert")
+    C = ep_chunks(n, k, P, z.shape[-1], z.dtype.itemsize, cfg)
+    exchange = functools.partial(_ep_exchange, cfg, mode, tensor, weights=weights, adapters=adapters)
+    if C == 1:
+        return exchange(z, idx, w)
+    z, idx, w, _ = _split_tokens(z, idx, w, C, P * _num_experts(weights))
+    y, dropped = jax.lax.map(jax.checkpoint(lambda a: exchange(*a)),
+                             (z.reshape(C, -1, z.shape[-1]), idx.reshape(C, -1, k), w.reshape(C, -1, k)))
+    return y.reshape(-1, y.shape[-1])[:n], jnp.sum(dropped, axis=0)
+
+
+def _ep_exchange(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, *, weights, adapters):
+    """One exchange: tokens `z` [n, H] to the experts' devices and back."""
     n, k = idx.shape
     m, H = n * k, z.shape[-1]
     P = jax.lax.axis_size("expert")
-    El = w1.shape[0]                                    # experts on this device
+    El = _num_experts(weights)                          # experts on this device
     R = ep_receive_rows(m, P, cfg.runtime.ep_capacity_factor)
 
     # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El);
@@ -221,10 +290,7 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     # 3. grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
-    x = recv[order2]
-    g = grouped_matmul(x, w1, sizes)
-    u = grouped_matmul(x, w3, sizes)
-    out = grouped_matmul(glu_activation(cfg, g, u), w2, sizes)
+    out = _ffn(cfg, recv[order2], sizes, weights, adapters)
     out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
 
     # 4. return the results to their senders, in the sender's sorted-pair order; a dropped
@@ -242,7 +308,7 @@ def _ep_local(cfg: ModelConfig, mode: str, tensor: str | None, z, idx, w, w1, w2
     return (jax.lax.psum(y, tensor) if tensor else y), dropped
 
 
-def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = False):
+def experts_ep(cfg: ModelConfig, z, idx, w, weights, adapters, *, with_dropped: bool = False):
     """shard_map over the context mesh: tokens split over every batch-like axis (and always
     over `expert`), experts over `expert`, their hidden over `tensor`. Falls back to
     `ragged` when there is no mesh or its expert axis is 1. `with_dropped`: also return
@@ -250,27 +316,43 @@ def experts_ep(cfg: ModelConfig, z, idx, w, w1, w2, w3, *, with_dropped: bool = 
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     if sizes.get("expert", 1) == 1:
-        y = experts_ragged(cfg, z, idx, w, w1, w2, w3)
+        y = experts_ragged(cfg, z, idx, w, weights, adapters)
         return (y, jnp.zeros((), jnp.int32)) if with_dropped else y
-    E, F = w1.shape[0], w1.shape[-1]
+    E = _num_experts(weights)
     if E % sizes["expert"]:
         raise ValueError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
-    tensor = _tensor_axis(sizes, F)
+    tensor = _tensor_axis(sizes, weights)
     # `expert` joins the token axes so that each expert shard holds different tokens.
     tok = _token_axes()
     tok += () if "expert" in tok else ("expert",)
     z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[b] for b in tok), E)
     ts = PartitionSpec(tok)
-    wspec_in, wspec_out = PartitionSpec("expert", None, tensor), PartitionSpec("expert", tensor, None)
     fn = jax.shard_map(functools.partial(_ep_local, cfg, _a2a_mode(), tensor),
-                       in_specs=(ts, ts, ts, wspec_in, wspec_out, wspec_in), out_specs=(ts, ts))
-    y, dropped = fn(z, idx, w, w1, w2, w3)       # dropped: one count per token shard
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, "expert", tensor)), out_specs=(ts, ts))
+    y, dropped = fn(z, idx, w, weights, adapters)       # dropped: one count per token shard
     return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
 
 
-DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep,
-            # decode: only the chosen experts' weights are read (k3jax.ops.moe_gather)
-            "gather": lambda cfg, *a: experts_gather(*a, act=functools.partial(glu_activation, cfg))}
+def experts_gather(cfg: ModelConfig, z, idx, w, weights, adapters):
+    """Decode: each device reads only the experts its tokens chose (k3jax.ops.moe_gather).
+    The few tokens are replicated to every device; experts stay where they live (over
+    `expert`, their hidden over `tensor`) and one psum joins the partial outputs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    E = _num_experts(weights)
+    ex = "expert" if sizes.get("expert", 1) > 1 and E % sizes["expert"] == 0 else None
+    tensor = _tensor_axis(sizes, weights)
+    axes = tuple(a for a in (ex, tensor) if a)
+    local = functools.partial(gather_local, functools.partial(glu_activation, cfg),
+                              E // (sizes[ex] if ex else 1), axes, {r: _scale(cfg, r) for r in adapters})
+    if not axes:
+        return local(z, idx, w, weights, adapters)
+    rep = PartitionSpec()
+    fn = jax.shard_map(local, in_specs=(rep, rep, rep, *_specs(weights, adapters, ex, tensor)), out_specs=rep)
+    return fn(z, idx, w, weights, adapters)
+
+
+DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep, "gather": experts_gather}
 
 
 class StableLatentMoE(nn.Module):
@@ -293,15 +375,16 @@ class StableLatentMoE(nn.Module):
         self.sow("intermediates", "router_idx", idx)
 
         z = dense(cfg, H, ("embed", "latent"), "routed_expert_down_proj")(xf) if cfg.use_latent_moe else xf
-        pdt, cdt = param_dtype(cfg), compute_dtype(cfg)
-        w1 = self.param("w1", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
-        w3 = self.param("w3", matrix_init(("expert", "latent", "mlp")), (E, H, F), pdt).astype(cdt)
-        w2 = self.param("w2", matrix_init(("expert", "mlp", "latent")), (E, F, H), pdt).astype(cdt)
+        cdt = compute_dtype(cfg)
+        shapes = {"w1": ((E, H, F), ("expert", "latent", "mlp")), "w2": ((E, F, H), ("expert", "mlp", "latent")),
+                  "w3": ((E, H, F), ("expert", "latent", "mlp"))}
+        weights = {r: self._expert_weight(r, *shapes[r]) for r in ROLES}
+        adapters = {r: ad for r in ROLES if (ad := self._expert_adapter(r, *shapes[r])) is not None}
         if drops_pairs(cfg):
-            y, dropped = experts_ep(cfg, z.astype(cdt), idx, w, w1, w2, w3, with_dropped=True)
+            y, dropped = experts_ep(cfg, z.astype(cdt), idx, w, weights, adapters, with_dropped=True)
             self.sow("intermediates", "ep_dropped", dropped)   # pairs the capacity dropped
         else:
-            y = DISPATCH[cfg.runtime.moe_dispatch](cfg, z.astype(cdt), idx, w, w1, w2, w3)
+            y = DISPATCH[cfg.runtime.moe_dispatch](cfg, z.astype(cdt), idx, w, weights, adapters)
         y = y.astype(cdt)
         if cfg.use_latent_moe:
             if cfg.latent_moe_use_norm:
@@ -310,3 +393,49 @@ class StableLatentMoE(nn.Module):
         if cfg.num_shared_experts:
             y = y + GatedMLP(cfg, cfg.shared_intermediate_size, name="shared_experts")(xf)
         return y.reshape(shape)
+
+    def _expert_weight(self, role: str, shape: tuple[int, int, int], axes: tuple[str, str, str]):
+        """[E, in, out] in the compute dtype, or the MXFP4 pair ({'weight_packed',
+        'weight_scale'} params, [E, out, in/2] and [E, out, in/32] uint8)."""
+        cfg = self.cfg
+        init = matrix_init(axes)
+        if cfg.runtime.expert_format == "bf16":
+            return self.param(role, init, shape, param_dtype(cfg)).astype(compute_dtype(cfg))
+        E, n_in, n_out = shape
+        if n_in % GROUP_SIZE:
+            raise ValueError(f"expert_format 'mxfp4': {role}'s input width {n_in} is not a multiple of "
+                             f"{GROUP_SIZE}")
+        stored_axes = (axes[0], axes[2], axes[1])                 # [E, out, in/…]
+
+        def mxfp4_init(key):
+            # the widened format's draw, quantized: the same seed gives the same experts
+            # plain unwrap: nn.unbox would constrain to the logical names under a context mesh
+            w = init(key, shape, param_dtype(cfg))
+            w = w.value if isinstance(w, nn.meta.AxisMetadata) else w
+            packed, scale = quantize_mxfp4_jax(jnp.swapaxes(w, -1, -2))
+            return {"weight_packed": nn.LogicallyPartitioned(packed, stored_axes),
+                    "weight_scale": nn.LogicallyPartitioned(scale, stored_axes)}
+
+        p = self.param(role, mxfp4_init)
+        return MXFP4(p["weight_packed"], p["weight_scale"])
+
+    def _expert_adapter(self, role: str, shape: tuple[int, int, int], axes: tuple[str, str, str]):
+        """(A, B) of a routed-expert LoRA target ('lora' collection, B zero at init), or None."""
+        cfg = self.cfg
+        lora = cfg.runtime.lora
+        target = f"{layer_subpath(self.path)}/{role}"
+        if lora is None or target not in lora.targets:
+            return None
+        E, n_in, n_out = shape
+        r, pdt = lora.rank_of(target), param_dtype(cfg)
+
+        def init():
+            if lora.expert_mode == "shared_a":
+                a = lora_a_init((axes[1], None))(self.make_rng("lora"), (n_in, r), pdt)
+            else:
+                a = lora_a_init((axes[0], axes[1], None))(self.make_rng("lora"), (E, n_in, r), pdt)
+            b = lora_b_init((axes[0], None, axes[2]))(self.make_rng("lora"), (E, r, n_out), pdt)
+            return {"lora_a": a, "lora_b": b}
+
+        ad = self.variable("lora", role, init).value
+        return ad["lora_a"], ad["lora_b"]

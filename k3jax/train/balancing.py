@@ -177,6 +177,8 @@ def new_biases(params, stats, k: int, valid, method: str, sweeps: int = 6):
     """
     updates = {}
     for path in bias_paths(params):
+        if "/".join(path) not in stats:   # a frozen router keeps its bias
+            continue
         bias = _get(params, path)
         stat = stats["/".join(path)]["stat"]
         if method == "hist":

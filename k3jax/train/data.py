@@ -14,6 +14,10 @@ documents' own losses.
 Order: rows are shuffled per epoch by a permutation seeded with (seed, epoch), and step s
 takes global rows s·R … s·R+R−1 (R = rows per step). A batch depends only on (seed, step), so
 a resumed run sees exactly the batches the uninterrupted one would have.
+
+Chat (`data.format: chat`, `ChatDataset`): JSONL conversations become SFT examples in K3's
+own format (k3jax.chat), packed whole into rows (k3jax.chat.packing); the loss mask is the
+examples' trained assistant tokens, and rows with images carry their pixels.
 """
 from __future__ import annotations
 
@@ -116,3 +120,83 @@ class PackedDataset:
         idx = self.row_indices(seed, step, batch_size * grad_accum)
         b = rows_to_batch(self.tokens[idx], self.segs[idx])
         return {k: v.reshape(grad_accum, batch_size, -1) for k, v in b.items()}
+
+
+class ChatDataset(PackedDataset):
+    """Packed chat conversations (`data.format: chat`; k3jax.chat.packing): the loss covers
+    the assistant tokens each conversation trains, and batches of conversations with images
+    carry `images` = {'pixels': [1, L, 3, P, P], 'grid_thws': [N, 3]} of their rows' images
+    in token order (the train step's multimodal batch)."""
+
+    def __init__(self, conversations, tokenizer, seq_len: int, pad_id: int, *, options: dict,
+                 truncate: bool = True, vision=None, media=None):
+        from k3jax.chat.packing import build_example, pack_examples
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+        self.media, grid_of = media, None
+        if vision is not None:
+            from k3jax.vision.preprocess import MediaConfig, resize_plan
+            self.media = media = media or MediaConfig()
+            kh, kw = vision.merge_kernel_size
+
+            def grid_of(w, h):
+                plan = resize_plan(w, h, media)
+                return (1, plan["grid_h"], plan["grid_w"]), (plan["grid_h"] // kh) * (plan["grid_w"] // kw)
+        examples = [build_example(where, folder, row, tokenizer, options, grid_of)
+                    for where, folder, row in conversations]
+        packed = pack_examples(examples, seq_len, pad_id, truncate)
+        packed.stats["reasoning_dropped"] = sum(e.dropped_reasoning for e in examples)
+        self.tokens, self.segs, self.train, self.images = packed.tokens, packed.segs, packed.train, packed.images
+        self.stats, self.seq_len, self.n_tokens = packed.stats, seq_len, packed.stats["tokens"]
+        self.has_images = any(self.images)
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"chat: {s['conversations']} conversations -> {s['whole']} whole, {s['cut']} cut to "
+                f"{self.seq_len + 1} tokens, {s['dropped_long'] + s['dropped_untrained']} dropped "
+                f"({s['dropped_untrained']} with no trained token, {s['dropped_long']} too long); "
+                f"{s['tokens']:,d} tokens ({s['trained_tokens']:,d} trained) in {self.n_rows} rows of {self.seq_len}"
+                + (f"; {s['reasoning_dropped']} rendered with thinking off lost their reasoning"
+                   if s["reasoning_dropped"] else ""))
+
+    def batch(self, seed: int, step: int, batch_size: int, grad_accum: int = 1) -> dict:
+        idx = self.row_indices(seed, step, batch_size * grad_accum)
+        b = rows_to_batch(self.tokens[idx], self.segs[idx])
+        b["loss_mask"] = b["loss_mask"] * self.train[idx][..., 1:]
+        out = {k: v.reshape(grad_accum, batch_size, -1) for k, v in b.items()}
+        images = [im for r in idx for im in self.images[r]]
+        if images:
+            from k3jax.vision.preprocess import preprocess_images
+            if grad_accum != 1:
+                raise ValueError("chat data with images needs data.grad_accum=1 (a step's image grids are static)")
+            pixels, grids = preprocess_images([src for src, _ in images], self.media)
+            want = np.asarray([g for _, g in images], np.int64)
+            if not np.array_equal(grids, want):
+                raise ValueError(f"image grids {grids.tolist()} differ from the ones planned when packing "
+                                 f"{want.tolist()}")
+            out["images"] = {"pixels": pixels[None], "grid_thws": grids}
+        return out
+
+
+def build_dataset(data: dict, tokenizer, k3, path: str, media_dir: str | None = None):
+    """The dataset of a resolved `data:` section: plain documents (`format: text`) or chat
+    conversations (`format: chat`); `media_dir`: a checkpoint folder whose
+    preprocessor_config.json sizes the images (K3's defaults otherwise)."""
+    if data["format"] == "text":
+        return PackedDataset(read_documents(path, data["text_key"]), tokenizer, data["seq_len"], k3.text.pad_token_id)
+    from k3jax.chat.packing import read_conversations
+    chat = data["chat"]
+    vision = media = None
+    if k3.vision is not None:
+        from k3jax.vision.preprocess import MediaConfig
+        vision, media = k3.vision, MediaConfig.from_dir(media_dir) if media_dir else MediaConfig()
+        if "<|media_pad|>" in tokenizer.specials and tokenizer.token_id("<|media_pad|>") != k3.top.get(
+                "media_placeholder_token_id", tokenizer.token_id("<|media_pad|>")):
+            raise ValueError(f"the tokenizer's <|media_pad|> ({tokenizer.token_id('<|media_pad|>')}) is not the "
+                             f"config's media_placeholder_token_id ({k3.top['media_placeholder_token_id']})")
+    options = {"train_on": chat["train_on"], "thinking": chat["thinking"], "thinking_effort": chat["thinking_effort"]}
+    ds = ChatDataset(read_conversations(path), tokenizer, data["seq_len"], k3.text.pad_token_id, options=options,
+                     truncate=chat["truncate"], vision=vision, media=media)
+    if ds.has_images and data["grad_accum"] != 1:
+        raise ValueError(f"{path}: chat data with images needs data.grad_accum=1 (a step's image grids are static)")
+    return ds

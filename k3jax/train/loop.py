@@ -4,18 +4,18 @@ Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://buck
 (rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
 `keep` newest), `metrics.jsonl` (one object per logged step).
 
-Failure handling: SIGTERM (preemption) finishes the current step, saves, and returns 0; a
-non-finite loss or gradient norm stops *before* that update is checkpointed, so the newest
-checkpoint is the last good state (return code 3). `kill -9` loses at most the steps since
-the last checkpoint: a rerun resumes from it and, since batches depend only on (seed, step)
-and the step is deterministic, logs the same losses; metrics.jsonl lines past the resumed
-step are dropped first so the file reads as one run.
+Failure handling: SIGTERM (preemption) to any process: all processes train on to the step
+they agree on (preemption.py), save it together and return PREEMPTED (42), a code
+schedulers restart a job on. A non-finite loss or gradient norm stops *before* that update
+is checkpointed, so the newest checkpoint is the last good state (return code 3). `kill -9`
+loses at most the steps since the last checkpoint: a rerun resumes from it and, since
+batches depend only on (seed, step) and the step is deterministic, logs the same losses;
+metrics.jsonl lines past the resumed step are dropped first so the file reads as one run.
 """
 from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 
@@ -25,8 +25,9 @@ import numpy as np
 import yaml
 
 from k3jax.config import CONFIG_DIR, load_k3
-from k3jax.train import config as tconf, rundir
-from k3jax.train.data import PackedDataset, read_documents
+from k3jax.distributed import barrier
+from k3jax.train import config as tconf, preemption, rundir
+from k3jax.train.data import build_dataset
 
 
 def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
@@ -40,17 +41,30 @@ def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
     return 2 * n ** 3 * repeats / (time.perf_counter() - t)
 
 
-def flops_per_token(params, k_over_e: float) -> float:
-    """6·(activated params) per token for forward+backward: every weight except the
-    embedding lookup, routed experts at k/E. Attention-score FLOPs are left out, so MFU here
-    is a slight under-estimate."""
+def flops_per_token(params, k_over_e: float, groups=None, top_k: int = 1) -> float:
+    """Model FLOPs per token for forward+backward: 2 per weight value forward, 2 more for
+    the input gradient and, for trained weights, 2 for their own gradient (6 for a fully
+    trained model; 4 for a frozen base under LoRA). Every weight except the embedding
+    lookup counts, routed experts (and their per-expert adapters) at k/E, a shared expert A
+    ('shared_a') k times; MXFP4 experts by
+    their values (two per packed byte, scales not counted). Attention-score FLOPs are left
+    out, so MFU here is a slight under-estimate."""
+    from k3jax.layout import is_scanned
+    from k3jax.train.muon import TRAINED, path_str
+    group_of = {} if groups is None else {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
     total = 0.0
     for p, x in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(k, "key", k)) for k in p]
-        if keys[0] == "embed_tokens":
+        if keys[0] == "embed_tokens" or keys[-1] == "weight_scale":
             continue
-        total += x.size * (k_over_e if keys[-1] in ("w1", "w2", "w3") else 1.0)
-    return 6.0 * total
+        values = x.size * (2 if keys[-1] == "weight_packed" else 1)
+        expert = "block_sparse_moe" in keys and any(k in ("w1", "w2", "w3") for k in keys[-2:])
+        # a shared A ('shared_a') has no expert axis: each of a token's k pairs goes through it
+        shared_a = expert and keys[-1] == "lora_a" and x.ndim == 2 + is_scanned(keys[1:])
+        trained = groups is None or group_of.get(path_str(p)) in TRAINED
+        scale = top_k if shared_a else k_over_e if expert else 1.0
+        total += values * scale * (6.0 if trained else 4.0)
+    return total
 
 
 class _Progress:
@@ -69,9 +83,25 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _initial_params(cfg, tc, key, mesh=None):
+def _initial_params(cfg, tc, key, mesh=None, vision=None):
     """Params from `init_from` or a fresh init; with a mesh they are born sharded (restored
-    shard by shard, or initialised under jit with out-shardings), never whole on one host."""
+    shard by shard, or initialised under jit with out-shardings), never whole on one host.
+    `vision` (a VisionConfig, for data with images): the vision tower's params under 'vision'.
+    With LoRA, fresh adapters (their own random stream) join a loaded base."""
+    from k3jax.model import LORA_KEY, init_params
+    params = _base_params(cfg, tc, key, mesh, vision)
+    if cfg.runtime.lora is not None and LORA_KEY not in params:
+        out = None
+        if mesh is not None:
+            from k3jax import sharding
+            out = sharding.param_shardings(cfg, *mesh)[LORA_KEY]
+        params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
+    return params
+
+
+def _base_params(cfg, tc, key, mesh=None, vision=None):
+    if vision is not None:
+        return _multimodal_params(cfg, tc, key, mesh, vision)
     shardings = None
     if mesh is not None:
         from k3jax import sharding
@@ -88,16 +118,36 @@ def _initial_params(cfg, tc, key, mesh=None):
     return init_params(cfg, key)
 
 
-def optimizer_shardings(tx, abstract_params):
+def _multimodal_params(cfg, tc, key, mesh, vision):
+    if mesh is not None:
+        raise ValueError("training on images runs on one device for now: drop --mesh, or the images from the data")
+    if tc["init_from"]:
+        from k3jax.checkpoint.load import load_model_dir
+        k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], vision=True)
+        if "vision" not in params:
+            raise ValueError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
+                             f"tower weights")
+        return params
+    from k3jax.vision.multimodal import init_multimodal_params
+    return init_multimodal_params(cfg, vision, key)
+
+
+def optimizer_shardings(tx, abstract_params, groups):
     """The optimizer state's shardings: those XLA derives from the params' through the
     optimizer's own reshapes (Muon's block views), read off a compiled update, so no
     per-optimizer table has to be kept in step with the optimizer. `abstract_params`:
-    ShapeDtypeStructs carrying the params' shardings."""
+    ShapeDtypeStructs carrying the params' shardings; the state covers the trained ones."""
+    from k3jax.train.muon import trained_mask
+    from k3jax.train.step import opt_init, split_trained
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
-    return jax.jit(lambda p: tx.update(f32(p), tx.init(f32(p)), p)[1]).lower(abstract_params).compile().output_shardings
+
+    def first_update(p):
+        t = split_trained(p, trained_mask(groups))[0]
+        return tx.update(f32(t), opt_init(tx, p, groups), t)[1]
+    return jax.jit(first_update).lower(abstract_params).compile().output_shardings
 
 
-def sharded_train_step(mesh, abstract_params, tx, train_step, batch_sharding, opt_shardings=None):
+def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_sharding, opt_shardings=None):
     """(TrainState of shardings, the step jitted with that state's shardings pinned in and out).
 
     Pinned so the step compiles once: left to propagation, the first call sees the state as
@@ -109,7 +159,7 @@ def sharded_train_step(mesh, abstract_params, tx, train_step, batch_sharding, op
     from k3jax.train.step import TrainState
     replicated = NamedSharding(mesh[0], P())
     param_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
-    opt_sh = optimizer_shardings(tx, abstract_params) if opt_shardings is None else opt_shardings
+    opt_sh = optimizer_shardings(tx, abstract_params, groups) if opt_shardings is None else opt_shardings
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
     def sharded_train_step(state, batch):
@@ -119,13 +169,12 @@ def sharded_train_step(mesh, abstract_params, tx, train_step, batch_sharding, op
     return state_sh, step
 
 
-def _sharded_state_and_step(mesh, params, tx, train_step, batch_sharding):
+def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
     """(TrainState born sharded, the step jitted with its shardings: `sharded_train_step`)."""
-    from k3jax.train.step import TrainState
-    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
+    from k3jax.train.step import TrainState, opt_init
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    state_sh, step = sharded_train_step(mesh, abstract, tx, train_step, batch_sharding)
-    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(f32(p))),
+    state_sh, step = sharded_train_step(mesh, abstract, tx, groups, train_step, batch_sharding)
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
                     out_shardings=state_sh)(params)
     return state, step
 
@@ -139,22 +188,20 @@ def accum_batch_sharding(mesh):
 
 
 def run_model_config(k3, tc: dict, mesh=None):
-    """The model config a run trains: the train config's runtime options, and 'ep' expert
-    dispatch when the mesh has an expert axis (experts live on it)."""
+    """The model config a run trains: the train config's runtime options, 'ep' expert
+    dispatch when the mesh has an expert axis (experts live on it), and the `lora:` section."""
     cfg = k3.text.with_runtime(**tc["runtime"])
     if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
         cfg = cfg.with_runtime(moe_dispatch="ep")
-    return cfg
+    return _with_lora(cfg, tc)
 
 
-def _barrier(name: str):
-    """Every process waits here at the coordinator (no device collective). A process's first
-    collective over a new group of devices gives its peers only 30 s to join on CPU (gloo),
-    less than the skew that compiling the step or initialising can leave between processes."""
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed   # jax has no public barrier on the coordinator's client
-    distributed.global_state.client.wait_at_barrier(f"k3jax_{name}", 60 * 60 * 1000)
+def _with_lora(cfg, tc):
+    """`cfg` with the train config's `lora:` section resolved onto it (k3jax.lora)."""
+    from k3jax import lora
+    from k3jax.model import abstract_params
+    spec = lora.resolve(tc["lora"], cfg, abstract_params(cfg)) if tc["lora"]["rank"] else None
+    return cfg.with_runtime(lora=spec) if spec is not None else cfg
 
 
 def _data_path(path: str) -> str:
@@ -166,6 +213,34 @@ def _data_path(path: str) -> str:
     return in_repo if os.path.exists(in_repo) else path
 
 
+def _shown(path: str) -> str:
+    """A path as the user would type it: relative when under the working directory."""
+    if rundir.is_url(path):
+        return path
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def next_commands(run_dir: str, k3, tc: dict, config_path: str) -> list[str]:
+    """What to do with a finished run: every command that takes a model directory takes it."""
+    import shlex
+    run = shlex.quote(_shown(run_dir))
+    out = shlex.quote(_shown(run_dir.rstrip("/") + "-hf"))
+    quant = (k3.to_hf().get("text_config", {}).get("quantization_config")
+             or k3.to_hf().get("quantization_config"))
+    experts = "" if quant or not k3.text.num_experts else " --experts-bf16"
+    prompt = shlex.quote(tc["sample_prompt"] or "Hello")
+    lines = [f"k3jax generate {run} --prompt {prompt}                  # sample from the newest checkpoint",
+             f"k3jax logits {run} --tokens IDS.npy --out LOGITS.npy   # fp32 logits of token ids"]
+    if tc["lora"]["rank"]:
+        adapter = shlex.quote(_shown(run_dir.rstrip("/") + "-adapter"))
+        return lines + [f"k3jax export {run} {adapter} --adapter            # the adapters, a PEFT directory",
+                        f"k3jax export {run} {out} --merge-lora{experts}   # folded into the base, released layout"]
+    return lines + [f"k3jax export {run} {out}{experts}      # the released safetensors layout",
+                    f"k3jax train {shlex.quote(config_path)} init_from={run} "
+                    f"run_name={shlex.quote(str(tc['run_name']))}-2   # a new run from these weights"]
+
+
 def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: str | None = None) -> int:
     """Train from a YAML preset. `mesh`: a preset of configs/meshes (or a YAML path): params,
     optimizer state and batches are sharded over it and 'ep' expert dispatch is used where
@@ -173,7 +248,7 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    m, rules = sharding.load_mesh(mesh)
+    m, rules = sharding.load_mesh(sharding.preset_for(mesh, "train"))
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
 
@@ -187,25 +262,40 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     k3 = load_k3(config_path)
     tc = tconf.resolve(k3.train, tconf.parse_overrides(overrides or []))
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
+    say = log                             # what every process reports (its preemption save)
     log = log if main else (lambda *_: None)
     cfg = run_model_config(k3, tc, mesh)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     rundir.make_dirs(run_dir)
     if main:
         rundir.write_text(f"{run_dir}/config.yaml", yaml.safe_dump({**k3.to_hf(), "train": tc}, sort_keys=False))
+    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
+    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
+    latest = mgr.latest_step()
+    # as early as possible: a SIGTERM from here on resolves to a step this run will reach
+    preemption.begin(latest or 0)
 
     d = tc["data"]
-    tok = tokenizer_for(cfg, d["tokenizer"], d["bpe_file"], d["pattern"])
-    ds = PackedDataset(read_documents(_data_path(d["path"]), d["text_key"]), tok, d["seq_len"], cfg.pad_token_id)
+    tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
+    ds = build_dataset(d, tok, k3, _data_path(d["path"]), tc["init_from"])
+    if d["format"] == "chat":
+        log(ds.summary())
+    vision = k3.vision if getattr(ds, "has_images", False) else None   # chat data with images
     log(f"data: {ds.n_tokens:,d} tokens in {ds.n_rows} packed rows of {d['seq_len']}; "
         f"{d['batch_size']}x{d['grad_accum']} rows per step")
 
     t0 = time.perf_counter()
-    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh)
-    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"])
-    train_step = tstep.make_train_step(cfg, tc, tx, groups)
+    params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh, vision)
+    tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
+                                      tc["lora"] if cfg.runtime.lora is not None else None)
+    if cfg.runtime.lora is not None:
+        n = sum(x.size for x in jax.tree.leaves(params["lora"]))
+        log(f"lora: rank {cfg.runtime.lora.rank}, {len(cfg.runtime.lora.targets)} projections per layer kind, "
+            f"{n:,d} adapter params trained; the base is frozen")
+    train_step = tstep.make_train_step(cfg, tc, tx, groups, **({} if vision is None else {
+        "vision": vision, "media_pad_id": tok.token_id("<|media_pad|>")}))
     if mesh is None:
-        state = tstep.init_state(params, tx)
+        state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
     else:
         rows = accum_batch_sharding(mesh)  # [accum, B, T]
@@ -213,18 +303,15 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         # only the slices its own devices hold
         place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
                                  for k, v in b.items()}
-        state, train_step = _sharded_state_and_step(mesh, params, tx, train_step, rows)
+        state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
         log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
             f"moe dispatch {cfg.runtime.moe_dispatch}")
 
-    _barrier("initialised")   # Orbax's first directory sync is a device collective
-    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
-    mgr = ocp.CheckpointManager(f"{run_dir}/checkpoints", options=opts)
-    latest = mgr.latest_step()
     if latest is not None:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
+        state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
+                                           groups)
         log(f"resumed from step {latest} ({run_dir}/checkpoints)")
     start = int(state.step)
     if start >= tc["steps"]:
@@ -240,12 +327,12 @@ def _run(config_path: str, overrides, log, mesh) -> int:
         train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
                                               for k, v in batch0.items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
-        _barrier("compiled")
+        barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
-    stop = {"sigterm": False}
-    prev = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+    watch = preemption.PreemptionWatch()
     tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
-    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1))
+    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), groups,
+                          cfg.num_experts_per_token or 1)
     peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
     bar = _Progress(tc["steps"])
     rc, last_loss, t_log, steps_since = 0, None, time.perf_counter(), 0
@@ -287,23 +374,36 @@ def _run(config_path: str, overrides, log, mesh) -> int:
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
                         f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
                     t_log, steps_since = time.perf_counter(), 0
-                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or stop["sigterm"]:
-                    mgr.save(step, args=ocp.args.StandardSave(state))
-                if stop["sigterm"]:
-                    log(f"SIGTERM: saved step {step}; exiting cleanly")
+                preempted = watch.reached(step)   # every step, on every process
+                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:
+                    mgr.save(step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
+                if preempted:
+                    rc = preemption.PREEMPTED
                     break
     finally:
         mgr.wait_until_finished()
         mgr.close()
-        signal.signal(signal.SIGTERM, prev)
+        watch.close()
         bar.close()
-    if rc == 0 and not stop["sigterm"] and last_loss is not None:
+    if rc == preemption.PREEMPTED:
+        say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
+            f"exit code {rc}: rerun the same command to resume")
+    if rc == 0 and last_loss is not None:
         log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
             f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
         if tc["sample_tokens"] and jax.process_count() > 1:
             log("sample: skipped (the end-of-run sample runs single-process only)")
+        elif tc["sample_tokens"] and d["format"] == "chat":
+            from k3jax.chat.generation import sample_reply
+            reply = sample_reply(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"],
+                                 thinking=d["chat"]["thinking"], thinking_effort=d["chat"]["thinking_effort"])
+            log(f"sample reply to {tc['sample_prompt']!r}: {reply}")
         elif tc["sample_tokens"]:
             from k3jax.train.sample import generate
             text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
             log(f"sample: {text!r}")
+    if rc == 0:
+        log("next (a run directory or its checkpoints/N works wherever a model directory does):")
+        for line in next_commands(run_dir, k3, tc, config_path):
+            log(f"  {line}")
     return rc

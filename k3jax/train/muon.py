@@ -10,7 +10,10 @@ Every param gets a *group* from its path and the layer kind (`param_groups`):
   adamw_nodecay norms, AttnRes vectors, A_log, dt_bias (no decay: they are scales, not features)
   router_bias  e_score_correction_bias: never touched by the optimizer; Quantile Balancing owns it
   frozen       anything matching a `freeze` pattern (a glob on the param path, e.g. '*/w[123]',
-               or 're:' + a regex): zero update, no optimizer state
+               or 're:' + a regex), MXFP4-resident experts (integers) and, with LoRA on, the
+               whole base: no gradient, no optimizer state. A router whose gate or bias is
+               frozen also keeps its bias (Quantile Balancing skips it)
+  lora         LoRA adapters (under params['lora']): AdamW, or Muon with `lora.optimizer: muon`
 
 Muon runs in a *block view*: each matrix is reshaped to [..batch.., fan_in, fan_out] where the
 batch axes are the scan `layers` axis, the expert axis and the head axis. optax's
@@ -37,10 +40,13 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import scale_by_shape
 
 from k3jax.config import ModelConfig
+from k3jax.layout import is_scanned
 from k3jax.model import layer_plan
 
 MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
-GROUPS = MUON_GROUPS + ("adamw", "adamw_nodecay", "router_bias", "frozen")
+GROUPS = MUON_GROUPS + ("adamw", "adamw_nodecay", "router_bias", "frozen", "lora")
+# groups that get gradients (and optimizer state)
+TRAINED = MUON_GROUPS + ("adamw", "adamw_nodecay", "lora")
 # Every view puts the matrix in the last two axes; all leading axes are batch axes.
 _BLOCK_DIMS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
@@ -58,14 +64,23 @@ def _layer_kind(cfg: ModelConfig, parts: list[str]) -> str | None:
     return None
 
 
-def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=()) -> str:
-    """The optimizer group of one param (see the module docstring)."""
+def _frozen_by(path: str, freeze) -> bool:
+    return any(re.search(pat[3:], path) if pat.startswith("re:") else fnmatch.fnmatchcase(path, pat)
+               for pat in freeze)
+
+
+def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=(), dtype=None,
+             lora: bool = False) -> str:
+    """The optimizer group of one param (see the module docstring); `lora`: adapters train
+    and the base is frozen."""
     parts = path.split("/")
+    if parts[0] == "lora":
+        return "lora"
     name = parts[-2] if parts[-1] in ("kernel", "weight", "embedding") else parts[-1]
     if parts[-1] == "e_score_correction_bias":
-        return "router_bias"
-    if any(re.search(pat[3:], path) if pat.startswith("re:") else fnmatch.fnmatchcase(path, pat)
-           for pat in freeze):
+        gate = "/".join(parts[:-1] + ["gate"])
+        return "frozen" if _frozen_by(path, freeze) or _frozen_by(gate, freeze) else "router_bias"
+    if lora or _frozen_by(path, freeze) or (dtype is not None and not jnp.issubdtype(dtype, jnp.floating)):
         return "frozen"
     if name in ("embed_tokens", "lm_head", "pos_emb"):  # pos_emb: the vision position table
         return "adamw"
@@ -87,9 +102,16 @@ def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=()) -> 
 
 
 def param_groups(cfg: ModelConfig, params, freeze=()):
-    """A tree like `params` (arrays or ShapeDtypeStructs, boxed or not) of group names."""
+    """A tree like `params` (arrays or ShapeDtypeStructs, boxed or not) of group names.
+    Adapters under params['lora'] turn LoRA on: the base is then frozen."""
+    lora = isinstance(params, dict) and "lora" in params
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: classify(cfg, path_str(p), tuple(x.shape), freeze), params)
+        lambda p, x: classify(cfg, path_str(p), tuple(x.shape), freeze, getattr(x, "dtype", None), lora), params)
+
+
+def trained_mask(groups):
+    """True where a param gets gradients and optimizer state."""
+    return jax.tree.map(lambda g: g in TRAINED, groups)
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,7 +138,9 @@ def _to_view(cfg, group, kv_b_mode, path, x):
 
 
 def _stacked(path: str) -> bool:
-    return path.split("/")[0] == "groups"
+    """Whether a param (or a LoRA adapter, under 'lora/') carries the scanned layers axis."""
+    parts = path.split("/")
+    return is_scanned(parts[1:] if parts[0] == "lora" else parts)
 
 
 def _layers_last(v, inverse: bool = False):
@@ -204,11 +228,15 @@ def schedule(o: dict, steps: int, peak: float):
     return lr
 
 
-def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int):
-    """(optax transform, group tree). `o` is the train config's `optimizer` section.
+def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int, lora: dict | None = None):
+    """(optax transform over the trained params, group tree of all params). `o` is the
+    train config's `optimizer` section, `lora` its resolved `lora` section (adapters
+    present under params['lora']).
 
-    Gradients reach the transform in fp32 (the step casts them), so all optimizer state is
-    fp32 even with bf16 params. Clipping is by the global norm of the trainable grads.
+    The transform sees only the trained leaves (`trained_mask`; the rest are None in the
+    trees it gets), so frozen params have no optimizer state at all. Gradients reach it in
+    fp32 (the step casts them), so all optimizer state is fp32 even with bf16 params.
+    Clipping is by the global norm of the trained grads.
     """
     groups = param_groups(cfg, params, tuple(o.get("freeze") or ()))
     lr = schedule(o, steps, float(o["lr"]))
@@ -222,11 +250,24 @@ def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int):
     adam = lambda decay: optax.adamw(adam_lr, b1=float(o["b1"]), b2=float(o["b2"]), eps=float(o["eps"]),
                                      weight_decay=decay, mu_dtype=jnp.float32)
     label = lambda g: "muon" if g in MUON_GROUPS else g
-    transforms = {"muon": muon, "adamw": adam(wd), "adamw_nodecay": adam(0.0),
-                  # set_to_zero keeps no state: frozen params cost no optimizer memory
-                  "router_bias": optax.set_to_zero(), "frozen": optax.set_to_zero()}
-    labels = jax.tree.map(label, groups)
-    tx = optax.partition(transforms, labels)
+    transforms = {"muon": muon, "adamw": adam(wd), "adamw_nodecay": adam(0.0)}
+    if lora is not None:
+        lora_lr = schedule(o, steps, float(lora["lr"] if lora.get("lr") is not None
+                                           else o["adam_lr"] if o.get("adam_lr") is not None else o["lr"]))
+        if lora.get("optimizer", "adamw") == "muon":
+            # adapter matrices orthogonalised whole ([.., in, r], [.., r, out]; per expert for
+            # stacked experts), with Moonlight's RMS matching
+            lora_groups = jax.tree.map(lambda g: "muon" if g == "lora" else g, groups)
+            transforms["lora"] = optax.chain(
+                per_block_muon(cfg, lora_groups, beta=float(o["muon_beta"]), ns_steps=int(o["ns_steps"]),
+                               rms=float(o["muon_rms"])),
+                optax.add_decayed_weights(wd), optax.scale_by_learning_rate(lora_lr))
+        else:
+            transforms["lora"] = optax.adamw(lora_lr, b1=float(o["b1"]), b2=float(o["b2"]), eps=float(o["eps"]),
+                                             weight_decay=wd, mu_dtype=jnp.float32)
+    labels = jax.tree.map(lambda g: label(g) if g in TRAINED else None, groups)
+    used = {lb for lb in jax.tree.leaves(labels)}
+    tx = optax.partition({k: v for k, v in transforms.items() if k in used}, labels)
     clip = float(o.get("grad_clip") or 0.0)
     if clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)

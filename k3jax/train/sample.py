@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.model import K3Model
+from k3jax.model import K3Model, variables_of
 
 
 def greedy_full_forward(cfg, params, ids: list[int], n_new: int, pad_id: int) -> list[int]:
     T = len(ids) + n_new
     buf = np.full((1, T), pad_id, np.int32)
     buf[0, :len(ids)] = ids
-    fwd = jax.jit(lambda p, t: jnp.argmax(K3Model(cfg).apply({"params": p}, t), -1))
+    fwd = jax.jit(lambda p, t: jnp.argmax(K3Model(cfg).apply(variables_of(p), t), -1))
     for pos in range(len(ids), T):
         nxt = np.asarray(fwd(params, jnp.asarray(buf)))[0, pos - 1]
         buf[0, pos] = nxt

@@ -3,9 +3,13 @@
 A step runs `grad_accum` microbatches under `lax.scan` (one compiled body, activations of
 one microbatch alive at a time), sums token-weighted losses and gradients, divides by the
 global count of loss tokens (so accumulation is exactly a bigger batch), casts gradients to
-fp32 (optimizer state is fp32 even with bf16 params), zeroes frozen and router-bias
-gradients (XLA then drops their computation), applies the optimizer, and finally replaces
-every router bias with the Quantile Balancing solution from this step's router scores.
+fp32 (optimizer state is fp32 even with bf16 params), applies the optimizer, and finally
+replaces every router bias with the Quantile Balancing solution from this step's router
+scores (a frozen router keeps its bias).
+
+Only the trained params (`muon.trained_mask`: not frozen, not a router bias, not integer
+MXFP4 bytes; with LoRA, the adapters alone) are differentiated: the others enter the loss
+as constants, so no gradient, accumulator or optimizer state exists for them.
 
 Images (multimodal fine-tuning, `make_train_step(..., vision=VisionConfig)`): the batch may
 carry `images` = {'pixels': [A, L, 3, P, P], 'grid_thws': [N, 3]}, the same packed images
@@ -28,15 +32,62 @@ from flax import struct
 from k3jax.config import ModelConfig, VisionConfig
 from k3jax.layers.moe import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
-from k3jax.model import InputError, K3Model
+from k3jax.model import InputError, K3Model, variables_of
 from k3jax.train import balancing
+from k3jax.train.muon import path_str, trained_mask
 from k3jax.vision.multimodal import VISION_KEY, check_media_rows, image_inputs, split_params
 
 
 class TrainState(struct.PyTreeNode):
     step: jax.Array
-    params: Any
-    opt_state: Any
+    params: Any          # every param (base, adapters under 'lora', vision)
+    opt_state: Any       # over the trained params only
+
+
+def split_trained(params, mask):
+    """(trained, fixed): two trees shaped like `params`, None where the other holds a leaf."""
+    trained = jax.tree.map(lambda x, m: x if m else None, params, mask)
+    fixed = jax.tree.map(lambda x, m: None if m else x, params, mask)
+    return trained, fixed
+
+
+def merge_trained(trained, fixed):
+    """Inverse of `split_trained`."""
+    return jax.tree.map(lambda a, b: b if a is None else a, trained, fixed, is_leaf=lambda x: x is None)
+
+
+def frozen_routers(groups) -> set[str]:
+    """Bias paths ('/'-joined) of routers whose bias Quantile Balancing must leave alone."""
+    return {path_str(p)for p, g in jax.tree_util.tree_leaves_with_path(groups)
+            if path_str(p).endswith("e_score_correction_bias") and g == "frozen"}
+
+
+def _checkpoint_mask(groups):
+    """Under LoRA a checkpoint holds the adapters and the router biases (Quantile Balancing
+    re-solves them), not the frozen base; None: the whole state."""
+    if not any(g == "lora" for g in jax.tree.leaves(groups)):
+        return None
+    return jax.tree.map(lambda g: g in ("lora", "router_bias"), groups)
+
+
+def checkpoint_view(state: TrainState, groups) -> TrainState:
+    """The part of the state a checkpoint saves (see `_checkpoint_mask`)."""
+    mask = _checkpoint_mask(groups)
+    return state if mask is None else state.replace(params=split_trained(state.params, mask)[0])
+
+
+def from_checkpoint_view(state: TrainState, restored: TrainState, groups) -> TrainState:
+    """A restored `checkpoint_view` completed with the frozen base of `state`."""
+    mask = _checkpoint_mask(groups)
+    if mask is None:
+        return restored
+    return restored.replace(params=merge_trained(restored.params, split_trained(state.params, mask)[1]))
+
+
+def opt_init(tx, params, groups):
+    """The optimizer state over the trained params, fp32 (see `init_state`)."""
+    trained, _ = split_trained(params, trained_mask(groups))
+    return tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), trained))
 
 
 def cross_entropy(logits, targets, mask):
@@ -69,23 +120,24 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     k = cfg.num_experts_per_token
     bins, sweeps = int(tc["balance"]["bins"]), int(tc["balance"]["sweeps"])
     moe_layers = cfg.ffn_kinds.count("moe") if cfg.num_experts else 0
-    # Static mask: frozen params and router biases get exact zeros, not computed gradients.
-    no_grad = jax.tree.map(lambda g: g in ("frozen", "router_bias"), groups)
+    mask = trained_mask(groups)
+    keep_bias = frozen_routers(groups)
 
-    def micro(params, mb, grids=None):
-        def loss_fn(p):
+    def micro(trained, fixed, mb, grids=None):
+        def loss_fn(t):
+            p = merge_trained(t, fixed)
             img = {}
             if grids is not None:
                 p, vp = split_params(p)
                 img = image_inputs(cfg, vision, vp, mb["images"]["pixels"], grids, mb["tokens"], media_pad_id)
-            logits, inter = model.apply({"params": p}, mb["tokens"], mb["segment_ids"],
+            logits, inter = model.apply(variables_of(p), mb["tokens"], mb["segment_ids"],
                                         mutable=["intermediates"], **img)
             loss_sum, count = cross_entropy(logits, mb["targets"], mb["loss_mask"])
             return loss_sum, (count, inter.get("intermediates", {}))
-        (loss_sum, (count, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grads = jax.tree.map(lambda g, z: jnp.zeros(g.shape, jnp.float32) if z else g.astype(jnp.float32),
-                             grads, no_grad)
+        (loss_sum, (count, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         valid = (mb["segment_ids"] > 0).reshape(-1)
+        params = merge_trained(trained, fixed)
         stats = (balancing.step_stats(params, jax.lax.stop_gradient(inter), k, valid, method or "exact", bins)
                  if method else {})
         dropped = sum((jnp.sum(x) for p, x in jax.tree_util.tree_leaves_with_path(inter)
@@ -94,11 +146,12 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
 
     def train_step(state: TrainState, batch, grids=None):
         params = state.params
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        trained, fixed = split_trained(params, mask)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
 
         def body(carry, mb):
             loss_sum, count, grads, hist, dropped = carry
-            l, c, g, stats, valid, d = micro(params, mb, grids)
+            l, c, g, stats, valid, d = micro(trained, fixed, mb, grids)
             dropped = dropped + d
             grads = jax.tree.map(jnp.add, grads, g)
             if method == "hist":   # histograms and loads add up across microbatches
@@ -116,8 +169,8 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
 
-        updates, opt_state = tx.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        new_params = merge_trained(optax.apply_updates(trained, updates), fixed)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
         if drops_pairs(cfg):
             # (token, expert) pairs the 'ep' receive capacity dropped, over all routed pairs
@@ -129,10 +182,11 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                 scores, valid = per_mb
                 # [A, .., m, n] → [.., A·m, n]: one solve over the whole global batch
                 merged = {p: {"stat": jnp.moveaxis(s, 0, -3).reshape(*s.shape[1:-2], -1, s.shape[-1])}
-                          for p, s in scores.items()}
+                          for p, s in scores.items() if p not in keep_bias}
                 new_params = balancing.new_biases(new_params, merged, k, valid.reshape(-1), "exact", sweeps)
             else:
-                new_params = balancing.new_biases(new_params, agg, k, None, "hist")
+                new_params = balancing.new_biases(new_params, {p: v for p, v in agg.items() if p not in keep_bias},
+                                                  k, None, "hist")
             loads = balancing.load_summary(agg, k, n_valid)
             metrics["load"] = loads
             flat = jnp.concatenate([v.reshape(-1, 2) for v in loads.values()])
@@ -171,8 +225,8 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     return step
 
 
-def init_state(params, tx) -> TrainState:
+def init_state(params, tx, groups) -> TrainState:
     # Initialise from fp32 params so every moment (Adam's nu included) is fp32 with bf16
     # params too; otherwise the state's dtype would change after the first update.
-    opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(jnp.float32), p)))(params)
+    opt_state = jax.jit(lambda p: opt_init(tx, p, groups))(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)

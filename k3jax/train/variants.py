@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import yaml
@@ -13,8 +14,10 @@ def variant_dict(base: str = "toy", layers: tuple[str, ...] | None = None, train
                  **text) -> dict:
     """The preset's YAML dict with text_config keys replaced. `layers` ('kda'/'mla' per layer)
     rewrites the 1-based KDA / full-attention layer lists; `train` replaces the train section."""
-    with open(preset_path(base) if not os.path.exists(base) else base) as f:
-        d = yaml.safe_load(f)
+    path = preset_path(base) if not os.path.exists(base) else base
+    with open(path) as f:
+        # JSON through json: PyYAML reads JSON's 1e-05 (no dot) as a string
+        d = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
     d = copy.deepcopy(d)
     tc = d["text_config"]
     if layers is not None:

@@ -28,7 +28,7 @@ from k3jax.config import K3Config, ModelConfig, VisionConfig
 from k3jax.layers.common import compute_dtype, param_dtype
 from k3jax.layers.vision import (Grid, KimiVision, check_grids, check_pixels, init_vision_params,
                                  rows_per_image)
-from k3jax.model import InputError, K3Model, init_params, validate_inputs
+from k3jax.model import InputError, K3Model, init_params, validate_inputs, variables_of
 from k3jax.vision.merge import feature_rows
 from k3jax.vision.preprocess import MEDIA_PAD_TOKEN_ID
 
@@ -167,7 +167,7 @@ def forward_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, tok
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _forward_jit(cfg, vcfg, grids, text, vision, tokens, segment_ids, pixels, rows):
     feats = KimiVision(vcfg, compute_dtype(cfg)).apply({"params": vision}, pixels, grids)
-    return K3Model(cfg).apply({"params": text}, tokens, segment_ids, image_features=feats, feature_rows=rows)
+    return K3Model(cfg).apply(variables_of(text), tokens, segment_ids, image_features=feats, feature_rows=rows)
 
 
 def generate_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, prompts, pixels, grid_thws,

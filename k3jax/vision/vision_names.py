@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3jax.config import VisionConfig
+from k3jax.errors import K3JaxError
 
 # transforms (checkpoint -> tree):
 #   copy   same array
@@ -23,7 +24,7 @@ TRANSFORMS = ("copy", "T", "patch")
 PREFIXES = ("vision_tower.", "mm_projector.")
 
 
-class VisionCheckpointError(ValueError):
+class VisionCheckpointError(K3JaxError):
     """A vision tensor is missing, unexpected or mis-shaped; the message names it."""
 
 

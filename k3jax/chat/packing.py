@@ -1,0 +1,178 @@
+"""Chat training data: JSONL conversations → SFT examples → packed rows that keep each whole.
+
+A row of the JSONL file is `{"messages": [...], "tools": [...]}` (OpenAI shape; `tools`
+optional), optionally with its own `thinking`, `thinking_effort`, `tool_choice` or
+`response_format`, which override the config's. Images in user messages are expanded here:
+each `<|media_pad|>` becomes as many pads as the image has feature rows (mask 0), and the
+example keeps the image's source and grid so the batch can attach its pixels.
+
+Packing (`pack_examples`): best fit, longest first, into rows of seq_len+1 tokens, so a
+conversation that fits a row is never split; one longer than a row is cut to the row (never
+inside an image's pads) or, with truncate off, dropped; one with no trained token left is
+dropped. The counts are returned for the run's log.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3jax.chat.images import image_size, user_images
+from k3jax.chat.sft import sft_example
+
+ROW_OPTIONS = ("thinking", "thinking_effort", "tool_choice", "response_format")
+
+
+def read_conversations(path: str) -> list[tuple[str, str, dict]]:
+    """(where, folder, row) of each conversation in a .jsonl file or a folder of them
+    (local or a URL read through etils.epath); `where` is `file:line` for error messages."""
+    from etils import epath
+    p = epath.Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.name.endswith(".jsonl"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no .jsonl files")
+        return [r for f in files for r in read_conversations(f)]
+    if not p.exists():
+        raise FileNotFoundError(f"dataset {path!r} not found")
+    out = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
+            raise ValueError(f"{where}: expected an object with a non-empty 'messages' list")
+        if row.get("tools") is not None and not isinstance(row["tools"], list):
+            raise ValueError(f"{where}: 'tools' must be a list of tool declarations")
+        out.append((where, os.path.dirname(str(path)), row))
+    if not out:
+        raise ValueError(f"{path}: no conversations")
+    return out
+
+
+@dataclass
+class Example:
+    """One conversation's tokens (pads expanded), trained flags, and its images as
+    (source, grid (t, h, w), first pad, end of pads)."""
+    where: str
+    ids: np.ndarray
+    train: np.ndarray
+    images: list = field(default_factory=list)
+    dropped_reasoning: bool = False      # thinking off, so the turns' reasoning was not rendered
+
+
+def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict, image_grid=None) -> Example:
+    """The SFT example of one JSONL row. `options`: sft_example keywords (thinking,
+    thinking_effort, train_on); `image_grid(width, height)` -> (grid, feature rows) is
+    required when the conversation holds images."""
+    opts = {**options, **{k: row[k] for k in ROW_OPTIONS if k in row}}
+    try:
+        sources = user_images(row["messages"], base_dir, where)
+        sizes = [image_size(s) for s in sources]
+        ex = sft_example(row["messages"], tokenizer, row.get("tools"), image_sizes=sizes or None, **opts)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids, train = np.asarray(ex["ids"], np.int32), np.asarray(ex["loss_mask"], bool)
+    dropped = not opts.get("thinking", True) and any(
+        isinstance(m, dict) and m.get("role") == "assistant" and (m.get("reasoning_content") or m.get("reasoning"))
+        for m in row["messages"])
+    if not sources:
+        return Example(where, ids, train, dropped_reasoning=dropped)
+    if image_grid is None:
+        raise ValueError(f"{where}: the conversation holds images but the model has no vision tower")
+    pad = tokenizer.token_id("<|media_pad|>")
+    where_pads = np.flatnonzero(ids == pad)
+    if len(where_pads) != len(sources):
+        raise ValueError(f"{where}: {len(where_pads)} <|media_pad|> for {len(sources)} images")
+    grids, reps = [], np.ones(len(ids), np.int64)
+    for k, (src, (w, h)) in enumerate(zip(sources, sizes)):
+        grid, rows = image_grid(w, h)
+        grids.append(grid)
+        reps[where_pads[k]] = rows
+    ids, train = np.repeat(ids, reps), np.repeat(train, reps)
+    ends = np.cumsum(reps)
+    images = [(src, grid, int(ends[p] - reps[p]), int(ends[p])) for src, grid, p in zip(sources, grids, where_pads)]
+    return Example(where, ids, train, images, dropped)
+
+
+def _cut(ex: Example, width: int) -> Example:
+    """The first `width` tokens, or fewer so that no image loses part of its pads."""
+    cut = width
+    for _, _, start, end in ex.images:
+        if start < cut < end:
+            cut = start
+    return Example(ex.where, ex.ids[:cut], ex.train[:cut], [im for im in ex.images if im[3] <= cut])
+
+
+@dataclass
+class Packed:
+    tokens: np.ndarray               # [R, W] int32
+    segs: np.ndarray                 # [R, W] int32, 0 = padding
+    train: np.ndarray                # [R, W] bool: the token is a trained target
+    images: list                     # per row: [(source, grid)] in token order
+    stats: dict
+
+
+def pack_examples(examples: list[Example], seq_len: int, pad_id: int, truncate: bool = True) -> Packed:
+    """Best-fit-decreasing packing into rows of seq_len+1 tokens; see the module docstring."""
+    width = seq_len + 1
+    stats = {"conversations": len(examples), "whole": 0, "cut": 0, "dropped_long": 0, "dropped_untrained": 0}
+    kept = []
+    for ex in examples:
+        if len(ex.ids) > width:
+            if not truncate:
+                stats["dropped_long"] += 1
+                continue
+            ex = _cut(ex, width)
+            if ex.train[1:].any():
+                stats["cut"] += 1
+        if not ex.train[1:].any():          # the first token is never a target
+            stats["dropped_untrained"] += 1
+            continue
+        kept.append(ex)
+    stats["whole"] = len(kept) - stats["cut"]
+    if not kept:
+        raise ValueError(f"no conversation left to train on ({stats})")
+    order = sorted(range(len(kept)), key=lambda i: (-len(kept[i].ids), i))
+    rows: list[list[int]] = []
+    free = []                        # free space of each row
+    by_space: dict[int, list[int]] = {}
+    have = 0                         # bit s set <=> some row has exactly s tokens free
+    for i in order:
+        need = len(kept[i].ids)
+        fits = have >> need
+        if fits:
+            space = need + (fits & -fits).bit_length() - 1      # the tightest row that fits
+            r = by_space[space].pop()
+            if not by_space[space]:
+                have &= ~(1 << space)
+        else:
+            r, space = len(rows), width
+            rows.append([])
+            free.append(width)
+        rows[r].append(i)
+        free[r] = space - need
+        by_space.setdefault(free[r], []).append(r)
+        have |= 1 << free[r]
+    R = len(rows)
+    tokens = np.full((R, width), pad_id, np.int32)
+    segs = np.zeros((R, width), np.int32)
+    train = np.zeros((R, width), bool)
+    images = []
+    for r, members in enumerate(rows):
+        pos, row_images = 0, []
+        for s, i in enumerate(members, start=1):
+            ex = kept[i]
+            n = len(ex.ids)
+            tokens[r, pos:pos + n], segs[r, pos:pos + n], train[r, pos:pos + n] = ex.ids, s, ex.train
+            row_images += [(src, grid) for src, grid, _, _ in ex.images]
+            pos += n
+        images.append(row_images)
+    stats["rows"], stats["tokens"], stats["trained_tokens"] = R, int((segs > 0).sum()), int(train.sum())
+    return Packed(tokens, segs, train, images, stats)

@@ -1,0 +1,141 @@
+"""Fused MXFP4 dequant grouped matmul (Pallas): each kernel decodes its weight tile from
+the packed E2M1 bytes and E8M0 scales (decode.py) next to the product, so no dequantized
+copy of the experts exists outside a tile.
+
+`mxfp4_gmm(x, packed, scale, group_sizes, transpose_rhs=...)` with packed [E, N, K/2] and
+scale [E, N, K/32] (uint8, the checkpoint's [out, in] orientation): x [M, K] -> x @ W_gᵀ
+[M, N] (transpose_rhs) or x [M, N] -> x @ W_g [M, K]; rows sorted by group, rows past
+Σ sizes zero. Row tiles are visited group by group (groups.py, megablox style). Two
+layouts of the same product: "tpu" (tpu.py: sequential visits, decoded tile cached in
+VMEM, Mosaic) and "triton" (triton.py: independent programs, decoded chunk by chunk).
+mode "auto" is a `jax.lax.platform_dependent` over Mosaic (TPU), Triton (CUDA, ROCm) and
+interpret mode (elsewhere), so one jitted function serves CPU tests and exports for TPU
+and CUDA alike. Interpret mode runs either layout.
+
+No kernel sees an interleaved weight: x @ Wᵀ is x[:, 0::2] @ W_loᵀ + x[:, 1::2] @ W_hiᵀ
+(the low and high nibbles' values), and x @ W is (x @ W_lo, x @ W_hi) interleaved: the
+caller splits x's columns or joins the output's, one pass over activations.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mxfp4_gmm import groups, tpu, triton
+from pallas_kernels.mxfp4_gmm.manual import vary_together
+
+MODES = ("auto", "interpret", "tpu", "triton")
+LAYOUTS = ("tpu", "triton")
+_HI = jax.lax.Precision.HIGHEST
+
+
+def _matmul_for(mode, cdt):
+    """The kernels' matmul: fp32 accumulation; fp32 operands at fp32 accuracy in each
+    backend's way (TF32x3 on Triton, as for the KDA kernels: see pallas_kernels/kda/fwd.py);
+    bf16 operands need nothing more (their products are exact in fp32)."""
+    if cdt == jnp.bfloat16:
+        precision = jax.lax.Precision.DEFAULT
+    elif mode == "triton":
+        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    else:
+        precision = _HI
+
+    def matmul(a, b, dims):
+        return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    return matmul
+
+
+def _pow2(n, lo, hi):
+    return int(min(hi, max(lo, 1 << max(0, n - 1).bit_length())))
+
+
+def _tpu_tiles(M, N, Kh, tm=None):
+    tm = tm or min(128, -(-M // 8) * 8)
+    tn = 256 if N % 256 == 0 else 128 if N % 128 == 0 else N
+    tkh = 256 if Kh % 256 == 0 else Kh
+    return tm, tn, tkh
+
+
+def _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs):
+    """Bytes the TPU kernel's blocks (double-buffered), scratch and decode temporaries take,
+    for a vmem_limit above Mosaic's default scoped 16 MiB when a shape needs it."""
+    c = jnp.dtype(cdt).itemsize
+    if transpose_rhs:
+        blocks = 2 * tm * Kh * c + tn * Kh + tn * 128 + tm * tn * 4
+        scratch, temps = 2 * tn * Kh * 2, 32 * Kh * 4 * 12
+    else:
+        blocks = tm * N * c + N * tkh + N * 128 + 2 * tm * tkh * 4
+        scratch, temps = 2 * N * tkh * 2, 32 * tkh * 4 * 12 + tm * N * c
+    need = 2 * blocks + scratch + temps
+    return None if need < 12 << 20 else int(need * 1.5)
+
+
+def mxfp4_gmm(x, packed, scale, group_sizes, *, transpose_rhs=True, compute_dtype=None,
+              mode="auto", layout=None, tm=None):
+    """See the module doc. compute_dtype: the decoded weights' and x's dtype in the products
+    (default x's); the output has x's dtype. layout: for mode="interpret", which kernels
+    to run ("tpu" by default); tm: rows per tile (TPU layout; a power of two >= 16 on
+    Triton's)."""
+    if mode not in MODES:
+        raise ValueError(f"mxfp4_gmm: unknown mode {mode!r}; expected one of {MODES}")
+    if layout not in (None, *LAYOUTS):
+        raise ValueError(f"mxfp4_gmm: unknown layout {layout!r}; expected one of {LAYOUTS}")
+    cdt = jnp.dtype(compute_dtype or x.dtype)
+    run = functools.partial(_run, transpose_rhs=transpose_rhs, cdt=cdt, layout=layout, tm=tm)
+    if mode != "auto":
+        return run(x, packed, scale, group_sizes, mode=mode)
+    per = lambda m: functools.partial(run, mode=m)  # noqa: E731
+    return jax.lax.platform_dependent(x, packed, scale, group_sizes, tpu=per("tpu"),
+                                      cuda=per("triton"), rocm=per("triton"),
+                                      default=per("interpret"))
+
+
+def _triton_tiles(M, N, Kh, cdt, tm=None):
+    """Powers of two (Triton's rule), every dot dimension >= 16. x @ Wᵀ: 64-row tiles of
+    x and of W (the [64, 64] fp32 accumulator keeps sm_90 free of register spills; 128
+    weight rows spilled), 64 packed columns per contraction chunk; x @ W: 64 packed output
+    columns (32 in fp32, whose TF32x3 dots need more registers), 64 weight rows a chunk.
+    Measured by benchmarks/mxfp4_gmm_triton_compile.py."""
+    tm = tm or _pow2(M, 16, 64)
+    wide = 64 if cdt == jnp.bfloat16 else 32
+    return dict(tm=tm, tn=_pow2(N, 16, 64), tkh_nt=_pow2(Kh, 16, 64), tkh_nn=_pow2(Kh, 16, wide),
+                tnc=_pow2(N, 16, 64))
+
+
+def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode):
+    E, N, Kh = packed.shape
+    M = x.shape[0]
+    layout = layout or ("triton" if mode == "triton" else "tpu")
+    if (mode, layout) in (("tpu", "triton"), ("triton", "tpu")):
+        raise ValueError(f"mxfp4_gmm: mode {mode!r} runs its own layout, not {layout!r}")
+    matmul = _matmul_for(mode, cdt)
+    if layout == "tpu":
+        tm, tn, tkh = _tpu_tiles(M, N, Kh, tm)
+        vmem = _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs)
+    else:
+        tiles = _triton_tiles(M, N, Kh, cdt, tm)
+        tm = tiles["tm"]
+    M_pad = -(-M // tm) * tm
+    (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
+    xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
+    vis = groups.visits(group_sizes, M_pad, tm)
+    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes)
+    if transpose_rhs:
+        x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]
+        if layout == "tpu":
+            y = tpu.gmm_nt(vis, x_lo, x_hi, packed, scale, tn=tn, vmem_bytes=vmem, **common)
+        else:
+            y = triton.gmm_nt(vis, x_lo, x_hi, packed, scale, tn=tiles["tn"], tkh=tiles["tkh_nt"],
+                              **common)
+        return y[:M]
+    if layout == "tpu":
+        # k-tile-major scales, [E, K/2/tkh, N, tkh/16]: 1/16 of the packed bytes, moved once.
+        scale_t = jnp.swapaxes(scale.reshape(E, N, Kh // tkh, tkh // tpu.SCALE_LANES), 1, 2)
+        lo, hi = tpu.gmm_nn(vis, xp, packed, scale_t, tkh=tkh, vmem_bytes=vmem, **common)
+    else:
+        lo, hi = triton.gmm_nn(vis, xp, packed, scale, tkh=tiles["tkh_nn"], tnc=tiles["tnc"], **common)
+    return jnp.stack([lo[:M], hi[:M]], axis=-1).reshape(M, 2 * Kh)

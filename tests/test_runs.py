@@ -1,0 +1,193 @@
+"""A training run is a model directory: every command that takes one takes the run directory
+(its newest checkpoint) or one of its checkpoints/N, reading only the params.
+
+One tiny run (one KDA + MoE layer, bf16 params, 4 steps, checkpoints at 2 and 4) is
+trained once per module, by `k3jax train` as a user runs it; the reference for its params is Orbax's own restore of the whole saved TrainState,
+and for its logits and samples `model.forward` / a greedy loop of full forwards on those."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from k3jax import cli
+from k3jax.train.variants import write_variant
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = {"steps": 4, "log_every": 2, "ckpt_every": 2, "keep": 10, "sample_tokens": 0, "peak_tflops": 1.0,
+         "data": {"path": os.path.join(ROOT, "data", "corpus.txt"), "seq_len": 32, "batch_size": 2},
+         "optimizer": {"warmup_steps": 2}}
+
+
+def train(cfg, *overrides, cache, timeout=600):
+    """`k3jax train` in a subprocess; one XLA cache per test session, so one compile."""
+    env = dict(os.environ, K3JAX_COMPILE_CACHE=str(cache), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return subprocess.run([sys.executable, "-m", "k3jax.cli", "train", cfg, *overrides], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    cfg = write_variant(str(d / "tiny.yaml"), layers=("kda",), first_k_dense_replace=0, train=TRAIN)
+    r = train(cfg, f"output_dir={d}", "run_name=r", "runtime.param_dtype=bfloat16",
+              cache=tmp_path_factory.getbasetemp() / "xla")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return SimpleNamespace(dir=d / "r", config=cfg, log=r.stdout.splitlines(), root=d)
+
+
+def saved_params(run_dir, step):
+    """The params of a checkpoint as Orbax itself restores the whole TrainState."""
+    with ocp.StandardCheckpointer() as c:
+        state = c.restore(os.path.join(run_dir, "checkpoints", str(step), "default"))
+    return jax.tree.map(np.asarray, state["params"])
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_run_and_its_checkpoints_load_as_model_directories(run):
+    from k3jax import sharding
+    from k3jax.checkpoint.load import load_model_dir, resolve
+    from k3jax.errors import K3JaxError
+
+    assert (resolve(run.dir).kind, resolve(run.dir).step) == ("run", 4)
+    assert resolve(run.dir / "checkpoints").step == 4
+    assert resolve(run.dir / "checkpoints" / "2").step == 2
+    # a write in progress (Orbax's temporary name) is not a checkpoint
+    (run.dir / "checkpoints" / "6.orbax-checkpoint-tmp-123").mkdir()
+    try:
+        assert resolve(run.dir).step == 4
+        with pytest.raises(K3JaxError, match="not a checkpoint step"):
+            resolve(run.dir / "checkpoints" / "6.orbax-checkpoint-tmp-123")
+    finally:
+        (run.dir / "checkpoints" / "6.orbax-checkpoint-tmp-123").rmdir()
+
+    k3, params = load_model_dir(run.dir)                 # the run's own dtypes: bf16 matrices
+    assert k3.text.runtime.param_dtype == "bfloat16"
+    assert_trees_equal(params, saved_params(run.dir, 4))
+    _, p2 = load_model_dir(run.dir / "checkpoints" / "2")
+    assert_trees_equal(p2, saved_params(run.dir, 2))
+    assert not np.array_equal(np.asarray(p2["embed_tokens"]["embedding"]),
+                              np.asarray(params["embed_tokens"]["embedding"]))
+
+    # restored straight onto a mesh: each leaf has the shardings the rules give it
+    mesh, rules = sharding.load_mesh("data2_fsdp2_expert2")
+    want = sharding.param_shardings(k3.text, mesh, rules)
+    _, sharded = load_model_dir(run.dir, shardings=lambda c: sharding.param_shardings(c, mesh, rules))
+    for x, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(want)):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+    assert_trees_equal(jax.tree.map(np.asarray, sharded), saved_params(run.dir, 4))
+
+
+def reference_logits(run, tokens):
+    from k3jax.checkpoint.load import load_config
+    from k3jax.model import forward
+    cfg = load_config(run.dir, {"param_dtype": "float32", "dtype": "float32"}).text
+    p32 = jax.tree.map(lambda x: x.astype(np.float32), saved_params(run.dir, 4))
+    return cfg, p32, np.asarray(forward(cfg, p32, tokens), np.float32)
+
+
+def test_logits_generate_and_export_of_a_run(run, tmp_path, capsys):
+    from k3jax.train.sample import greedy_full_forward
+
+    tokens = np.array([[256, 84, 104, 101, 32, 114, 105]], np.int32)
+    np.save(tmp_path / "ids.npy", tokens)
+    assert cli.main(["logits", str(run.dir), "--tokens", str(tmp_path / "ids.npy"),
+                     "--out", str(tmp_path / "run.npy")]) == 0
+    cfg, p32, ref = reference_logits(run, tokens)
+    np.testing.assert_allclose(np.load(tmp_path / "run.npy"), ref, rtol=0, atol=1e-5)
+
+    # export keeps every value: bf16 matrices as bf16, the release's fp32 tensors and the
+    # model's fp32 norms as fp32; the exported directory gives the run's logits
+    assert cli.main(["export", str(run.dir), str(tmp_path / "hf")]) == 2       # no MXFP4 config
+    assert "--experts-bf16" in capsys.readouterr().err
+    assert cli.main(["export", str(run.dir), str(tmp_path / "hf"), "--experts-bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "from run" in out and "at step 4" in out and "no dtype casts" in out, out
+    saved = saved_params(run.dir, 4)
+    from k3jax.checkpoint.names import tensor_map
+    from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
+    ckpt = ShardedCheckpoint(tmp_path / "hf")
+    n_fp32 = 0
+    for e in tensor_map(cfg, "k3"):
+        leaf = saved
+        for k in e.path:
+            leaf = leaf[k]
+        name = f"{e.hf}.weight" if e.is_expert else e.hf
+        assert ckpt.info(name)[0] == {"bfloat16": "BF16", "float32": "F32"}[leaf.dtype.name], name
+        n_fp32 += leaf.dtype == np.float32 and not e.hf.endswith(("A_log", "dt_bias", "conv1d.weight",
+                                                                     "o_norm.weight", "e_score_correction_bias"))
+    ckpt.close()
+    assert f"kept fp32: {n_fp32} tensor(s)" in out, out
+    assert cli.main(["logits", str(tmp_path / "hf"), "--tokens", str(tmp_path / "ids.npy"),
+                     "--out", str(tmp_path / "hf.npy")]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "hf.npy"), np.load(tmp_path / "run.npy"), rtol=0, atol=1e-5)
+
+    # greedy generation from the run continues as full forwards of the saved params do
+    assert cli.main(["generate", str(run.dir), "--prompt", "The ", "--max-new-tokens", "3", "--no-eos-stop",
+                     "--dtype", "float32", "--out", str(tmp_path / "gen.json")]) == 0
+    got = json.loads((tmp_path / "gen.json").read_text())
+    prompt = got["prompt_ids"][0]
+    assert prompt == [256] + list(b"The ")
+    assert got["generated_ids"][0] == greedy_full_forward(cfg, p32, prompt, 3, cfg.pad_token_id)
+
+
+def test_init_from_a_run_and_config_commands(run, capsys):
+    from k3jax.config import load
+    from k3jax.train import config as tconf
+    from k3jax.train.loop import _initial_params
+
+    tc = tconf.resolve({}, {"init_from": str(run.dir), "runtime": {"param_dtype": "bfloat16"}})
+    cfg = load(run.config).with_runtime(**tc["runtime"])
+    assert_trees_equal(jax.tree.map(np.asarray, _initial_params(cfg, tc, key=None)), saved_params(run.dir, 4))
+
+    assert cli.main(["params", str(run.dir), "--json"]) == 0
+    from_run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(["params", run.config, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == from_run
+
+    # the main job's last lines say what to run next, on this run
+    tail = "\n".join(run.log[-5:])
+    for cmd in ("k3jax generate", "k3jax logits", "k3jax export", "init_from="):
+        assert cmd in tail and str(run.dir.name) in tail, tail
+    assert "--experts-bf16" in tail   # the toy config has no MXFP4 experts to write
+
+
+def test_vision_features_from_a_conversion_and_not_from_a_run(run, tmp_path, capsys):
+    """vision-features reads a convert output's vision/ tree like the HF files; a run (text
+    model only) is refused in one line."""
+    import shutil
+
+    from helpers import FIXTURES, need, rel_l2
+    from k3jax.checkpoint.convert import convert
+    from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile
+
+    b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
+    src = tmp_path / "hf"
+    src.mkdir()
+    shutil.copyfile(b / "model.safetensors", src / "text.safetensors")
+    shutil.copyfile(v / "model.safetensors", src / "vision.safetensors")
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["vision_config"] = json.loads((v / "config.json").read_text())["vision_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    wm = {n: f for f in ("text.safetensors", "vision.safetensors") for n in SafetensorsFile(src / f).keys()}
+    (src / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    convert(src, tmp_path / "orbax")
+    args = ["--pixels", str(v / "pixel_values.npy"), "--grids", str(v / "grid_thws.npy")]
+    assert cli.main(["vision-features", str(tmp_path / "orbax"), *args, "--out", str(tmp_path / "f.npy")]) == 0
+    assert rel_l2(np.load(tmp_path / "f.npy"), np.load(v / "features.npy")) <= 1e-5
+
+    assert cli.main(["vision-features", str(run.dir), *args, "--out", str(tmp_path / "g.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "no vision_config" in err or "no vision weights" in err, err
+    assert not (tmp_path / "g.npy").exists()
