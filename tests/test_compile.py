@@ -153,7 +153,7 @@ def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     assert compiled["flops"] > f3["flops"] > f2["flops"]    # the depth is really in the figures
 
 
-@pytest.mark.parametrize("preset,n,fmt,lora", [(None, 2, "bf16", None), ("expert8", 2, "mxfp4", "per_expert"),
+@pytest.mark.parametrize("preset,n,fmt,lora", [("expert8", 2, "bf16", "per_expert"),
                                               ("fsdp2_expert2_tensor2", 3, "mxfp4", "shared_a")])
 def test_gather_dispatch_matches_dense(preset, n, fmt, lora):
     """The decode dispatch against every-expert einsum (moe 'dense', the oracle, which
