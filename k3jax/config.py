@@ -74,7 +74,7 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
 
 
 KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
-MOE_DISPATCHES = ("dense", "ragged", "ep")
+MOE_DISPATCHES = ("dense", "ragged", "ep", "gather")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_FORMATS = ("bf16", "mxfp4")
@@ -128,7 +128,7 @@ class RuntimeOptions:
     param_dtype: str = "float32"      # bf16 for real checkpoints; fp32-only params stay fp32
     kda_impl: str = "chunk"           # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
     kda_chunk_size: int = 64
-    moe_dispatch: str = "ragged"      # 'dense' | 'ragged' | 'ep'
+    moe_dispatch: str = "ragged"      # 'dense' | 'ragged' | 'ep' | 'gather' (decode)
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0

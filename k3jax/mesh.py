@@ -144,15 +144,24 @@ def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:
         # topology-aware order on TPU / GPU; an error there is a real layout problem, so it
         # propagates rather than silently falling back to a slow device order
         from jax.experimental import mesh_utils
-        return mesh_utils.create_device_mesh([full[a] for a in order], devices)
+        shape = [full[a] for a in order]
+        try:
+            return mesh_utils.create_device_mesh(shape, devices)
+        except NotImplementedError:
+            # an axis that is no product of whole torus axes (v5p-1024-cp4's context 4 on an
+            # 8x8x8 torus): split a physical axis, which keeps each mesh axis on a contiguous
+            # ring of chips (found compiling v5p-1024-cp4 for v5p:8x8x8 ahead of time)
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return np.asarray(devices, dtype=object).reshape([full[a] for a in order])
 
 
-def load_mesh(preset_or_path, devices=None) -> tuple[Mesh, tuple]:
+def load_mesh(preset_or_path, devices=None, physical: bool | None = None) -> tuple[Mesh, tuple]:
     """(Mesh with all five axes, Auto axis types, DCN axes outermost; logical rules) of a
-    preset name, YAML path or MeshPreset."""
+    preset name, YAML path or MeshPreset. `physical`: lay TPU/GPU devices out by their
+    topology (default: only for jax.devices()); ahead-of-time compiles pass a topology's
+    devices with physical=True."""
     preset = preset_or_path if isinstance(preset_or_path, MeshPreset) else load_preset(preset_or_path)
-    physical = devices is None
+    physical = devices is None if physical is None else physical
     devices = jax.devices() if devices is None else list(devices)
     grid = _device_grid(preset, devices, physical)
     order = preset.axis_order()

@@ -413,9 +413,14 @@ def _abstract_variables(cfg: ModelConfig):
 @functools.lru_cache(maxsize=16)
 def _traced_variables(cfg: ModelConfig):
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    key = jax.random.PRNGKey(0)
     cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
-    return jax.eval_shape(lambda t: K3Model(cfg).init({"params": key, LORA_KEY: key}, t), tokens)
+
+    def init(t):
+        # the key made inside the trace: nothing runs eagerly, so a context mesh over devices
+        # that cannot execute (a TPU topology compiled for on a CPU host) is never asked to
+        key = jax.random.PRNGKey(0)
+        return K3Model(cfg).init({"params": key, LORA_KEY: key}, t)
+    return jax.eval_shape(init, tokens)
 
 
 def abstract_params(cfg: ModelConfig):

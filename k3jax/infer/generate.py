@@ -46,6 +46,10 @@ def _extend_jit(cfg, params, cache, tokens, n_new, features=None, rows=None):
     return logits, apply_updates(cache, updates, n_new)
 
 
+# The two compiled steps by public names: `k3jax compile` lowers these same functions.
+prefill_step, extend_step = _prefill_jit, _extend_jit
+
+
 def _as_batch(tokens, lengths):
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:

@@ -5,7 +5,8 @@ oracle); `ragged` sorts the (token, expert) pairs by expert and runs one grouped
 per weight (`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) —
 dropless, no capacity factor, each device on its own tokens under a mesh; `ep` sends each pair to
 the device that owns its expert and runs the grouped matmuls there, dropless by default or
-with a receive capacity (`RuntimeOptions.ep_capacity_factor`). All combine in fp32.
+with a receive capacity (`RuntimeOptions.ep_capacity_factor`); `gather` (decode) reads
+only the experts the step's few tokens chose. All combine in fp32.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from k3jax.ops.experts import (adapter_spec, dense_adapter_delta, dense_weight, 
                                weight_spec)
 from k3jax.ops.mxfp4 import GROUP_SIZE, MXFP4, quantize_mxfp4_jax
 from k3jax.mesh import active_mesh_axes
+from k3jax.ops.moe_gather import gather_local
+from k3jax.ops.platform import target_backend
 
 # The three routed-expert weights; w1/w3 map latent -> hidden, w2 hidden -> latent.
 ROLES = ("w1", "w2", "w3")
@@ -183,7 +186,7 @@ def drops_pairs(cfg: ModelConfig) -> bool:
 def _a2a_mode() -> str:
     if EP_A2A != "auto":
         return EP_A2A
-    return "ragged" if jax.default_backend() in ("tpu", "gpu") else "padded"
+    return "ragged" if target_backend() in ("tpu", "gpu") else "padded"
 
 
 def _emulated_ragged_a2a(operand, output, in_off, send, out_off, recv, axis: str):
@@ -201,7 +204,9 @@ def _emulated_ragged_a2a(operand, output, in_off, send, out_off, recv, axis: str
 
 
 def _ragged_a2a(mode: str):
-    return jax.lax.ragged_all_to_all if mode == "ragged" else _emulated_ragged_a2a
+    if mode == "ragged":  # its axis_name is keyword-only
+        return lambda *args: jax.lax.ragged_all_to_all(*args[:6], axis_name=args[6])
+    return _emulated_ragged_a2a
 
 
 def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cfg: ModelConfig) -> int:
@@ -328,7 +333,26 @@ def experts_ep(cfg: ModelConfig, z, idx, w, weights, adapters, *, with_dropped: 
     return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
 
 
-DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep}
+def experts_gather(cfg: ModelConfig, z, idx, w, weights, adapters):
+    """Decode: each device reads only the experts its tokens chose (k3jax.ops.moe_gather).
+    The few tokens are replicated to every device; experts stay where they live (over
+    `expert`, their hidden over `tensor`) and one psum joins the partial outputs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    E = _num_experts(weights)
+    ex = "expert" if sizes.get("expert", 1) > 1 and E % sizes["expert"] == 0 else None
+    tensor = _tensor_axis(sizes, weights)
+    axes = tuple(a for a in (ex, tensor) if a)
+    local = functools.partial(gather_local, functools.partial(glu_activation, cfg),
+                              E // (sizes[ex] if ex else 1), axes, {r: _scale(cfg, r) for r in adapters})
+    if not axes:
+        return local(z, idx, w, weights, adapters)
+    rep = PartitionSpec()
+    fn = jax.shard_map(local, in_specs=(rep, rep, rep, *_specs(weights, adapters, ex, tensor)), out_specs=rep)
+    return fn(z, idx, w, weights, adapters)
+
+
+DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep, "gather": experts_gather}
 
 
 class StableLatentMoE(nn.Module):

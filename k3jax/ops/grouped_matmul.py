@@ -64,8 +64,12 @@ def grouped_matmul(x, w, group_sizes):
     """x [M, D] with rows sorted by group, w [E, D, F], group_sizes [E] (Σ <= M; rows past
     the sum come out zero). Returns [M, F]: row r times the weight of its group."""
     tile = tile_rows(x.shape[0], w.shape[0])
+    # HIGHEST only where it means something (fp32 operands): bf16 products are exact in one
+    # bf16 pass, and TPU's ragged_dot kernel (Mosaic) refuses bf16 operands at fp32
+    # contract precision ("Bad lhs type"; found by compiling the train step for v5p)
+    prec = _HI if jnp.result_type(x, w) == jnp.float32 else None
     return jax.lax.platform_dependent(
         x, w, group_sizes,
         cpu=lambda x, w, s: _tiled(x, w, s, tile),
-        default=lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=_HI),
+        default=lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=prec),
     )

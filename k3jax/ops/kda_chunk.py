@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.ops.platform import target_backend
 from pallas_kernels.kda_blocks import pair_join_mask, score_leaf
 
 # fp32 matmuls throughout: the state accumulates over the whole sequence and the decays
@@ -363,9 +364,8 @@ BLOCK_TOKENS_ACCELERATOR = 512
 
 
 def block_tokens(backend=None):
-    """Tokens per block on `backend` (default: JAX's default backend, read at trace time,
-    so a `jax.export` for another platform gets this machine's blocks)."""
-    return BLOCK_TOKENS.get(backend or jax.default_backend(), BLOCK_TOKENS_ACCELERATOR)
+    """Tokens per block on `backend` (default: the traced program's target, `target_backend`)."""
+    return BLOCK_TOKENS.get(backend or target_backend(), BLOCK_TOKENS_ACCELERATOR)
 
 
 class _Blocks(NamedTuple):

@@ -143,38 +143,68 @@ def _multimodal_params(cfg, tc, key, mesh, vision):
     return init_multimodal_params(cfg, vision, key)
 
 
-def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
-    """(TrainState born sharded, the step jitted with that state's shardings pinned in and out).
-
-    Pinned so the step compiles once: left to propagation, the first call sees the state as
-    created and later calls see what the step returned, which differ (the optimizer state
-    would even start replicated: its zeros carry no sharding of their own). The optimizer
-    state's shardings are those XLA derives from the params' through the optimizer's own
-    reshapes (Muon's block views), read off a compiled update: no per-optimizer table to
-    keep in step with the optimizer."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from k3jax.train.step import TrainState
+def optimizer_shardings(tx, abstract_params, groups):
+    """The optimizer state's shardings: those XLA derives from the params' through the
+    optimizer's own reshapes (Muon's block views), read off a compiled update, so no
+    per-optimizer table has to be kept in step with the optimizer. `abstract_params`:
+    ShapeDtypeStructs carrying the params' shardings; the state covers the trained ones."""
     from k3jax.train.muon import trained_mask
     from k3jax.train.step import opt_init, split_trained
-    replicated = NamedSharding(mesh[0], P())
     f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731  (init_state's rule)
-    param_sh = jax.tree.map(lambda x: x.sharding, params)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
 
     def first_update(p):
         t = split_trained(p, trained_mask(groups))[0]
         return tx.update(f32(t), opt_init(tx, p, groups), t)[1]
-    opt_sh = jax.jit(first_update).lower(abstract).compile().output_shardings
+    return jax.jit(first_update).lower(abstract_params).compile().output_shardings
+
+
+def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_sharding, opt_shardings=None):
+    """(TrainState of shardings, the step jitted with that state's shardings pinned in and out).
+
+    Pinned so the step compiles once: left to propagation, the first call sees the state as
+    created and later calls see what the step returned, which differ (the optimizer state
+    would even start replicated: its zeros carry no sharding of their own). `k3jax compile`
+    lowers this same function for TPU topologies and GPU meshes."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.train.step import TrainState
+    replicated = NamedSharding(mesh[0], P())
+    param_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
+    opt_sh = optimizer_shardings(tx, abstract_params, groups) if opt_shardings is None else opt_shardings
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
-    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
-                    out_shardings=state_sh)(params)
 
     def sharded_train_step(state, batch):
         return train_step(state, batch)
     step = jax.jit(sharded_train_step, in_shardings=(state_sh, batch_sharding),
                    out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    return state_sh, step
+
+
+def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
+    """(TrainState born sharded, the step jitted with its shardings: `sharded_train_step`)."""
+    from k3jax.train.step import TrainState, opt_init
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    state_sh, step = sharded_train_step(mesh, abstract, tx, groups, train_step, batch_sharding)
+    state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
+                    out_shardings=state_sh)(params)
     return state, step
+
+
+def accum_batch_sharding(mesh):
+    """Sharding of the step's [grad_accum, batch, length] inputs under (mesh, rules)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax import sharding
+    return NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))
+
+
+def run_model_config(k3, tc: dict, mesh=None):
+    """The model config a run trains: the train config's runtime options, 'ep' expert
+    dispatch when the mesh has an expert axis (experts live on it), and the `lora:` section."""
+    cfg = k3.text.with_runtime(**tc["runtime"])
+    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
+        cfg = cfg.with_runtime(moe_dispatch="ep")
+    return _with_lora(cfg, tc)
 
 
 def _with_lora(cfg, tc):
@@ -242,10 +272,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
     say = log                             # what every process reports (its preemption save)
     log = log if main else (lambda *_: None)
-    cfg = k3.text.with_runtime(**tc["runtime"])
-    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
-        cfg = cfg.with_runtime(moe_dispatch="ep")  # experts live on the expert axis
-    cfg = _with_lora(cfg, tc)
+    cfg = run_model_config(k3, tc, mesh)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     _preflight(cfg, tc)
     rundir.make_dirs(run_dir)
@@ -338,10 +365,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
     else:
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from k3jax import sharding
-        rows = NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))  # [accum, B, T]
+        rows = accum_batch_sharding(mesh)  # [accum, B, T]
         if batches.local:   # a streamed loader gives each process the rows of its own devices
             spec = batch_spec(d)
             place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows, v, spec[k][0])  # noqa: E731

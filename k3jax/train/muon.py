@@ -40,6 +40,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import scale_by_shape
 
 from k3jax.config import ModelConfig
+from k3jax.layout import is_scanned
 from k3jax.model import layer_plan
 
 MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
@@ -126,15 +127,38 @@ def _head_dim(cfg: ModelConfig, path: str) -> tuple[int, int]:
 def _to_view(cfg, group, kv_b_mode, path, x):
     if group == "muon_head":
         H, d = _head_dim(cfg, path)
-        return jnp.moveaxis(x.reshape(*x.shape[:-1], H, d), -2, -3)          # [.., H, in, d]
-    if group == "muon_kv_b":
+        v = jnp.moveaxis(x.reshape(*x.shape[:-1], H, d), -2, -3)              # [.., H, in, d]
+    elif group == "muon_kv_b":
         H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
         blocks = jnp.moveaxis(x.reshape(*x.shape[:-1], H, dn + cfg.v_head_dim), -2, -3)
-        return blocks if kv_b_mode == "whole" else {"k": blocks[..., :dn], "v": blocks[..., dn:]}
-    return x                                                                   # [.., in, out]
+        v = blocks if kv_b_mode == "whole" else {"k": blocks[..., :dn], "v": blocks[..., dn:]}
+    else:
+        v = x                                                                  # [.., in, out]
+    return _layers_last(v) if _stacked(path) else v
 
 
-def _from_view(group, kv_b_mode, shape, v):
+def _stacked(path: str) -> bool:
+    """Whether a param (or a LoRA adapter, under 'lora/') carries the scanned layers axis."""
+    parts = path.split("/")
+    return is_scanned(parts[1:] if parts[0] == "lora" else parts)
+
+
+def _layers_last(v, inverse: bool = False):
+    """[layers, *batch, in, out] <-> [*batch, layers, in, out]. optax flattens a view's
+    batch axes into one; with the (never sharded) scanned `layers` axis in front, a sharded
+    axis behind it (experts over `expert`) cannot stay sharded in the flattened axis, and
+    XLA replicated every expert's Newton–Schulz on every device (5 TiB per device for K3
+    on v5p-1024, found by `k3jax compile`). Last among the batch axes it keeps them split."""
+    if isinstance(v, dict):
+        return {k: _layers_last(x, inverse) for k, x in v.items()}
+    if v.ndim <= 3:
+        return v
+    return jnp.moveaxis(v, -3, 0) if inverse else jnp.moveaxis(v, 0, -3)
+
+
+def _from_view(group, kv_b_mode, shape, v, stacked: bool = False):
+    if stacked:
+        v = _layers_last(v, inverse=True)
     if group == "muon_kv_b" and kv_b_mode == "split":
         v = jnp.concatenate([v["k"], v["v"]], axis=-1)
     if group in ("muon_head", "muon_kv_b"):
@@ -176,7 +200,7 @@ def per_block_muon(cfg: ModelConfig, groups, *, beta=0.95, ns_steps=5, rms=0.2, 
         blocks = treedef.flatten_up_to(out)
         leaves = []
         for path, shape, v in zip(paths, shapes, blocks):
-            u = _from_view(group_of[path], kv_b_mode, shape, v)
+            u = _from_view(group_of[path], kv_b_mode, shape, v, _stacked(path))
             if scaling == "full":
                 u = u * (rms * math.sqrt(max(shape[-2], shape[-1])))
             leaves.append(u)

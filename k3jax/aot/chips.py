@@ -1,0 +1,61 @@
+"""TPU topologies on a CPU host, and the per-chip figures the step-time estimate uses.
+
+libtpu (the `[tpu]` environment) compiles for a TPU topology it is told about
+(`jax.experimental.topologies`) without any TPU attached. On a host that is not a TPU VM it
+first looks for TPU hosts; `host_environment` sets what keeps it from doing so, before JAX
+starts a backend, and names the target for the code that picks forms by backend
+(`k3jax.ops.platform`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    peak_flops: float        # dense bf16 FLOP/s
+    hbm_bandwidth: float     # bytes/s
+    ici_bandwidth: float     # bytes/s one way per chip (half the bidirectional figure), all links
+    hbm_gib: float
+    source: str = "cloud.google.com/tpu/docs"
+
+
+# Google Cloud's published per-chip figures (bidirectional ICI halved for one direction).
+CHIPS = {
+    "v5p": Chip("TPU v5p", 459e12, 2765e9, 600e9, 95),
+    "v5e": Chip("TPU v5e", 197e12, 819e9, 200e9, 16),
+    "v6e": Chip("TPU v6e", 918e12, 1638e9, 400e9, 32),
+}
+_KINDS = {"TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
+          "TPU v6e": "v6e"}
+
+
+def chip_for(topology: str, device_kind: str = "") -> Chip | None:
+    """The chip of a topology name ('v5p:8x8x8') or device kind ('TPU v5'); None if unknown."""
+    gen = topology.split(":", 1)[0].lower().replace("litepod", "e")
+    return CHIPS.get(gen) or CHIPS.get(_KINDS.get(device_kind, ""))
+
+
+def host_environment(platform: str = "tpu") -> None:
+    """Environment for compiling for `platform` on this host; call before JAX starts."""
+    env = {"K3JAX_TARGET_BACKEND": platform}
+    if platform == "tpu":
+        # not a TPU VM: no TPU backend to start, no hosts to look for
+        env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5p-8", TPU_WORKER_HOSTNAMES="localhost")
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+
+
+def topology_devices(name: str):
+    """The devices of a TPU topology such as 'v5p:8x8x8' (libtpu must be installed)."""
+    try:
+        from jax.experimental import topologies
+        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:   # noqa: BLE001 — libtpu's errors name neither the cause nor the fix
+        raise RuntimeError(
+            f"topology {name!r}: libtpu could not describe it ({type(e).__name__}: {str(e)[:200]}). "
+            f"`k3jax compile` runs in the [tpu] environment: a separate venv with "
+            f"`pip install -e \".[tpu]\"` (see README)") from None
+    return list(topo.devices)

@@ -1,0 +1,74 @@
+"""Decode-time MoE dispatch: read only the experts the tokens chose.
+
+A grouped matmul (`ragged`, `ep`) takes every expert's weights as an operand, so a decode
+step with a handful of tokens is charged — and, where the kernel does not skip empty
+groups, pays — the bytes of all of them. Here each device gathers just the distinct
+experts its share of the (token, expert) pairs names, at most min(local experts, pairs)
+of them, and multiplies every token with each gathered expert (a few tokens: the extra
+FLOPs are nothing next to the weight reads a decode step is bound by); each token's output
+is the routing-weighted sum over its own experts, fp32 as in the other dispatches.
+
+MXFP4-resident experts are gathered as their uint8 codes and scales and only those
+experts are widened; LoRA adapters are gathered with their experts and applied low rank,
+scale · (z A_e) B_e. The mesh layout (experts over `expert`, their hidden over `tensor`,
+one psum of the partial outputs, no all-to-all) is the caller's (`layers.moe`). Meant for
+decode (tokens × top-k well below the experts per device); for prefill and training,
+`ragged` / `ep`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
+
+_HI = jax.lax.Precision.HIGHEST
+_ROLES = ("w1", "w2", "w3")
+
+
+def _take(w, ids, dtype):
+    """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened)."""
+    if isinstance(w, MXFP4):
+        return dequantize_experts(MXFP4(w.packed[ids], w.scale[ids]), dtype)
+    return w[ids].astype(dtype)
+
+
+def _product(x, w, adapter, scale: float, ids, equation: str):
+    """x times the gathered experts `ids` of w (equation 'nh,mhf->nmf' or 'nmf,mfh->nmh'),
+    plus the adapter's scale · (x A_e) B_e."""
+    dt = x.dtype
+    y = jnp.einsum(equation, x, _take(w, ids, dt))
+    if adapter is None:
+        return y
+    a, b = adapter
+    per_token = equation.startswith("nm")
+    if a.ndim == 2:   # 'shared_a': one A for every expert
+        low = jnp.einsum("nmh,hr->nmr" if per_token else "nh,hr->nr", x, a.astype(dt),
+                         preferred_element_type=jnp.float32).astype(dt)
+        low = low if per_token else jnp.broadcast_to(low[:, None], (low.shape[0], ids.shape[0], low.shape[-1]))
+    else:
+        low = jnp.einsum("nmh,mhr->nmr" if per_token else "nh,mhr->nmr", x, a[ids].astype(dt),
+                         preferred_element_type=jnp.float32).astype(dt)
+    delta = jnp.einsum("nmr,mrf->nmf", low, b[ids].astype(dt), preferred_element_type=jnp.float32)
+    return y + (scale * delta).astype(y.dtype)
+
+
+def gather_local(act, n_local: int, axes: tuple[str, ...], scales: dict, z, idx, w, weights, adapters):
+    """One device's share: experts [lo, lo + n_local) of weights w1 / w3 ([El, H, F] or
+    MXFP4 [El, F, H/2]) and w2 ([El, F, H] or MXFP4 [El, H, F/2]); `axes` the mesh axes
+    the partial outputs are summed over (`expert` when it splits the experts). z [N, H],
+    idx / w [N, k]; returns [N, H] fp32."""
+    n, k = idx.shape
+    lo = jax.lax.axis_index("expert") * n_local if "expert" in axes else 0
+    ids = idx - lo
+    ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local).astype(jnp.int32)   # n_local: not here
+    m = min(n_local, n * k)
+    picked = jnp.unique(ids.reshape(-1), size=m, fill_value=n_local)     # sorted; n_local pads
+    safe = jnp.minimum(picked, n_local - 1)
+    mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
+    h = act(mm(z, "w1", "nh,mhf->nmf"), mm(z, "w3", "nh,mhf->nmf"))
+    out = mm(h, "w2", "nmf,mfh->nmh")
+    hit = (ids[:, :, None] == picked[None, None, :]) & (picked < n_local)[None, None, :]
+    comb = jnp.sum(jnp.where(hit, w[:, :, None], 0.0), axis=1)                    # [n, m]
+    y = jnp.einsum("nm,nmh->nh", comb, out.astype(jnp.float32), precision=_HI)
+    return jax.lax.psum(y, axes) if axes else y

@@ -1,0 +1,28 @@
+"""benchmarks/device_check.py --dry-run: the one-command device check runs on this CPU
+(Pallas in interpret mode, small shapes) and every check it makes passes, so the run on a
+lent device is known to work. The test runs the KDA forward section (5 s); the others
+(interpret-mode KDA backward, MXFP4 grouped matmul, toy train and decode) take about three
+minutes of this CPU: `python benchmarks/device_check.py --dry-run` runs them all."""
+import importlib.util
+import json
+
+from tests.helpers import ROOT
+
+
+def test_device_check_dry_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kernels = ["kda_forward"]
+    rc = mod.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "100000", "--sections", *kernels])
+    result = json.loads((tmp_path / "device_check.json").read_text())
+    sections = result["sections"]
+    assert rc == 0 and result["failed"] == [], {k: v.get("error") for k, v in sections.items()}
+    assert set(sections) == set(kernels) and set(kernels) < set(mod.SECTIONS)
+    for name, r in sections.items():
+        assert r.get("ok") is True or "skipped" in r, (name, r)
+    # the kernels were checked against the pure-JAX paths and the recurrent oracle
+    kf = sections["kda_forward"]
+    assert max(kf["pallas_vs_chunk"].values()) <= mod.TOL
+    assert max(v for d in kf["vs_recurrent_first_tokens"].values() for v in d.values()) <= mod.TOL
+    assert set(kf["ms"]) == {"pallas", "chunk"} and kf["anchors_ms"]["goal fwd, H200"] == 3.3

@@ -1,0 +1,58 @@
+"""The CLI's sharded train step lowered for CUDA on this CPU machine (`jax.export`) at the
+b300x8 presets' device count (this session's 8 devices); benchmarks/aot_gpu_lower.py lowers
+train, prefill and decode for the larger presets (h200x64, b300x16) at theirs."""
+import jax
+import pytest
+
+from k3jax.aot import gpu, programs
+from k3jax.config import load_k3
+from k3jax.plan import PlanOptions
+
+
+def _check(exported, prog, args):
+    """Lowered for CUDA on the preset's device count, the inputs' shardings carried into the
+    exported module (Shardy's annotations) as the run gives them."""
+    assert exported.platforms == ("cuda",)
+    assert exported.nr_devices == prog.mesh.size
+    got = [s.spec for s in exported.in_shardings_jax(prog.mesh)]
+    want = [x.sharding.spec for x in jax.tree.leaves(args)]
+    assert [tuple(g) for g in got] == [tuple(w) + (None,) * (len(g) - len(w)) for g, w in zip(got, want)]
+    assert any(any(e is not None for e in g) for g in got)      # not all replicated
+
+
+def _small_k3():
+    """The toy's widths at two layers, KDA and MLA, both MoE: every kind a step lowers, at
+    the least compile time (the scanned form is lowered by benchmarks/aot_gpu_lower.py)."""
+    import dataclasses
+    k3 = load_k3("toy")
+    kinds = ("kda", "mla")
+    cfg = k3.text.replace(num_hidden_layers=2, first_k_dense_replace=0, hf_extra={}, hf_keys=(),
+                          kda_layers=(1,), full_attn_layers=(2,))
+    assert cfg.layer_kinds == kinds and set(cfg.ffn_kinds) == {"moe"}
+    return dataclasses.replace(k3, text=cfg)
+
+
+def test_sharded_train_step_lowers_for_cuda_on_b300x8():
+    """`k3jax train --mesh b300x8`'s step (its train preset, b300x8_train) for CUDA. The
+    serving steps' lowering (they need a CPU compile of the prefill for their caches'
+    shardings) is in benchmarks/aot_gpu_lower.py, with the larger presets."""
+    k3 = _small_k3()
+    devices = jax.devices()[:8]
+    with gpu.target("gpu"):
+        train = programs.train_program(k3, "b300x8", devices, PlanOptions(batch=8, seq=32, optimizer="muon"))
+    ex = gpu.export(train)
+    _check(ex, train, train.args)
+    # experts on the expert axis: the GPU program exchanges tokens with ragged_all_to_all
+    # (the CPU program would use a padded all_to_all)
+    assert "ragged_all_to_all" in ex.mlir_module()
+
+
+@pytest.mark.parametrize("backend,blocks", [("gpu", 512), ("cpu", 128)])
+def test_target_backend_picks_the_forms(backend, blocks):
+    """What `gpu.target` changes while tracing: KDA's block length and MoE's exchange."""
+    from k3jax.layers import moe
+    from k3jax.ops import kda_chunk
+    with gpu.target(backend):
+        assert kda_chunk.block_tokens() == blocks
+        if moe.EP_A2A == "auto":
+            assert moe._a2a_mode() == ("ragged" if backend == "gpu" else "padded")
