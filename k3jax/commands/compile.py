@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from k3jax.commands.plan import add_trained_flags
+
 
 def register(sub):
     p = sub.add_parser("compile", help="compile the train / prefill / decode step for a TPU topology ahead of time")
@@ -29,15 +31,7 @@ def register(sub):
     p.add_argument("--ep-capacity", type=float, default=0.0, help="ep_capacity_factor (0: dropless)")
     p.add_argument("--ep-buffer-mib", type=float, default=None,
                    help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="train: LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
-    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
-    p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
-    p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
-                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
-    p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
-    p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
-                   help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
+    add_trained_flags(p)
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill: tokens per device per chunk")
     p.add_argument("--depths", type=int, nargs=2, metavar=("N1", "N2"), default=None,
                    help="compile at these scanned-group counts and extrapolate to full depth "

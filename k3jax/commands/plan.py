@@ -5,6 +5,19 @@ import functools
 import json
 
 
+def add_trained_flags(p):
+    """What a train step trains: LoRA over a frozen base and freeze globs (plan and compile)."""
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train with LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
+    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
+    p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
+                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
+    p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
+                   help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
+
+
 def register(sub):
     p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
     p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
@@ -22,15 +35,7 @@ def register(sub):
     p.add_argument("--devices", type=int, default=None, help="device count, for presets with a -1 axis")
     p.add_argument("--ep-capacity", type=float, default=0.0,
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
-    p.add_argument("--lora-rank", type=int, default=0,
-                   help="train with LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
-    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
-    p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
-    p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
-                   help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
-    p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
-    p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
-                   help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
+    add_trained_flags(p)
     p.add_argument("--ep-buffer-mib", type=float, default=None,
                    help="RuntimeOptions.ep_buffer_mib of the run ('ep' exchanges run in chunks above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
