@@ -433,6 +433,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
 
     failure, handled = None, False
     quiet = rundir.OrbaxErrorLog()
+    rundir.silence_abandoned_writes()
     try:
         with quiet, rundir.MetricsLog(f"{run_dir}/{RUN_METRICS}", keep_through=start, enabled=main, log=log) as mf:
             for s in range(start, tc["steps"]):

@@ -406,3 +406,37 @@ class OrbaxErrorLog:
 
     def __exit__(self, *exc):
         self._logger.removeFilter(self)
+
+
+_silenced = []
+
+
+def silence_abandoned_writes() -> None:
+    """For the rest of the process (idempotent): when a save fails, Orbax gives up on it
+    at the first failed write, and the writes still in flight finish later, perhaps before
+    the loop has noticed, into an event loop already closed (tensorstore's callbacks raise
+    'Event loop is closed', each printed as an unraisable traceback) or into futures nobody
+    awaits (asyncio logs each one at exit). Both are echoes of the failure the loop reports
+    once; anything else is still printed."""
+    import logging
+    import sys
+    if _silenced:
+        return
+    _silenced.append(True)
+
+    def echo_of_failure(exc) -> bool:
+        return ((isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+                or (exc is not None and is_storage_error(exc)))
+
+    shown = sys.unraisablehook
+
+    def unraisable(u):
+        if not echo_of_failure(u.exc_value):
+            shown(u)
+
+    def never_retrieved(record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ("exception was never retrieved" in record.getMessage() and echo_of_failure(exc))
+
+    sys.unraisablehook = unraisable
+    logging.getLogger("asyncio").addFilter(never_retrieved)
