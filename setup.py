@@ -4,7 +4,8 @@
 users look for them."""
 from setuptools import find_packages, setup
 
-PRESETS = {"k3jax.presets": "configs", "k3jax.presets.meshes": "configs/meshes"}
+PRESETS = {"k3jax.presets": "configs", "k3jax.presets.meshes": "configs/meshes",
+           "k3jax.presets.meshes.rules": "configs/meshes/rules"}
 SAMPLES = {"k3jax.data": "data"}    # the toy corpora the presets' relative data paths name
 
 setup(packages=find_packages(include=["k3jax*", "pallas_kernels*"]) + list(PRESETS) + list(SAMPLES),

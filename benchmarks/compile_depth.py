@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import config as C
-from k3jax.model import K3Model, layer_plan
+from k3jax.layout import layer_plan
+from k3jax.model import K3Model
 
 
 def k3_pattern(layers: int) -> C.ModelConfig:

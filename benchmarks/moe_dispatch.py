@@ -11,6 +11,7 @@ and data movement), not TPU/GPU speed: fake devices share the host's cores.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -27,7 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from k3jax import sharding  # noqa: E402
 from k3jax.config import load  # noqa: E402
-from k3jax.layers import moe  # noqa: E402
+from k3jax.layers.mlp import glu_activation  # noqa: E402
+from k3jax.ops import moe_dispatch  # noqa: E402
 
 
 def timed(fn, args, repeats: int) -> float:
@@ -67,13 +69,13 @@ def main() -> int:
 
     results = {}
     for name in ("dense", "ragged", "ep"):
-        fn = moe.DISPATCH[name]
+        fn = functools.partial(moe_dispatch.DISPATCH[name], cfg, functools.partial(glu_activation, cfg))
 
         def fwd(z, idx, w, w1, w2, w3, fn=fn):
-            return fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+            return fn(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
 
         def train(z, idx, w, w1, w2, w3, fn=fn):
-            return jax.grad(lambda z, w1, w2, w3: jnp.sum(fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {}) ** 2),
+            return jax.grad(lambda z, w1, w2, w3: jnp.sum(fn(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {}) ** 2),
                             argnums=(0, 1, 2, 3))(z, w1, w2, w3)
         with sharding.use_mesh(mesh, rules):
             t_f = timed(jax.jit(fwd), args, a.repeats)

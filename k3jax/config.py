@@ -73,8 +73,9 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
                      "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate"}
 
 
-KDA_IMPLS = ("recurrent", "chunk", "assoc", "pallas")
-MOE_DISPATCHES = ("dense", "ragged", "ep", "gather")
+KDA_IMPLS = ("auto", "recurrent", "chunk", "assoc", "pallas")
+MOE_DISPATCHES = ("auto", "dense", "ragged", "ep", "gather")
+EP_EXCHANGES = ("auto", "padded", "ragged", "emulated")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_FORMATS = ("bf16", "mxfp4")
@@ -126,9 +127,17 @@ class RuntimeOptions:
     """How to run the model; never written to config.json."""
     dtype: str = "float32"            # activations / compute
     param_dtype: str = "float32"      # bf16 for real checkpoints; fp32-only params stay fp32
-    kda_impl: str = "chunk"           # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
+    # 'auto' (the fastest measured for the backend and shape: ops.kda.resolve_impl) |
+    # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
+    kda_impl: str = "auto"
     kda_chunk_size: int = 64
-    moe_dispatch: str = "ragged"      # 'dense' | 'ragged' | 'ep' | 'gather' (decode)
+    # 'auto' ('ep' on a mesh with an expert axis, else 'ragged') | 'dense' | 'ragged' | 'ep' |
+    # 'gather' (decode): k3jax.ops.moe_dispatch
+    moe_dispatch: str = "auto"
+    # how 'ep' moves pairs: 'auto' (ragged_all_to_all on TPU/GPU, a padded all_to_all on
+    # CPU, which has no ragged one) | 'padded' | 'ragged' | 'emulated' (ragged's bookkeeping
+    # through a padded all_to_all: what CPU tests check the ragged exchange with)
+    ep_exchange: str = "auto"
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
@@ -150,6 +159,7 @@ class RuntimeOptions:
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
         _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
                f"expected one of {MOE_DISPATCHES}")
+        _check(self.ep_exchange in EP_EXCHANGES, "ep_exchange", self.ep_exchange, f"expected one of {EP_EXCHANGES}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
         _check(isinstance(self.attention_q_block, int) and self.attention_q_block >= 0, "attention_q_block",
                self.attention_q_block, "must be a non-negative integer")

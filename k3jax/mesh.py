@@ -3,7 +3,9 @@
 A mesh preset (`configs/meshes/NAME.yaml`) names the size of each mesh axis — `data`,
 `fsdp`, `expert`, `tensor`, `context` — within a slice (`ici`) and across slices (`dcn`),
 plus the rules table that maps the model's logical axis names (DESIGN.md) onto those mesh
-axes. The model code never names a mesh axis; swapping the preset is the whole change
+axes: a shared table by name (`rules: zero3` for training, `rules: serve` for inference,
+configs/meshes/rules/), changed per logical axis by `rules_override:`, or a whole table
+inline. The model code never names a mesh axis; swapping the preset is the whole change
 between 1 CPU device, 8 fake devices and a pod. Param shardings and sharded init live
 beside the model (k3jax.sharding).
 
@@ -31,8 +33,12 @@ from k3jax.config import CONFIG_DIR, ConfigError
 
 AXES = ("data", "fsdp", "expert", "tensor", "context")
 MESH_DIR = os.path.join(CONFIG_DIR, "meshes")
+RULES_DIR = os.path.join(MESH_DIR, "rules")
+# DESIGN.md's logical axes, plus `expert_mlp` (the routed experts' hidden: `mlp` is the dense
+# MLPs', which inference splits over the same axis as the experts) and `router` (the
+# router's expert dim)
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "heads_x_dim", "head_dim", "kda_rank",
-                "conv", "q_lora", "kv_lora", "mlp", "latent", "expert", "layers")
+                "conv", "q_lora", "kv_lora", "mlp", "expert_mlp", "latent", "expert", "router", "layers")
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,29 @@ class MeshPreset:
         return {a: full[a] // self.dcn.get(a, 1) for a in AXES}
 
 
+def rules_table(name: str) -> dict:
+    """A shared rules table of configs/meshes/rules/ by name."""
+    path = os.path.join(RULES_DIR, f"{name}.yaml")
+    if not os.path.exists(path):
+        names = sorted(f[:-5] for f in os.listdir(RULES_DIR) if f.endswith(".yaml"))
+        raise ConfigError(f"no rules table {name!r} (tables: {names})")
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def _preset_rules(name: str, d: dict) -> tuple:
+    """A preset's `rules:` (a table's name or a whole table) with its `rules_override:`."""
+    rules = d.get("rules") or {}
+    if isinstance(rules, str):
+        rules = rules_table(rules)
+    elif not isinstance(rules, dict):
+        raise ConfigError(f"mesh {name}: rules must name a table of configs/meshes/rules/ or be a mapping")
+    override = d.get("rules_override") or {}
+    if not isinstance(override, dict):
+        raise ConfigError(f"mesh {name}: rules_override must be a mapping of logical axis -> mesh axes")
+    return _rules_from_yaml(name, {**rules, **override})
+
+
 def _rules_from_yaml(name: str, table: dict) -> tuple:
     unknown = sorted(set(table) - set(LOGICAL_AXES))
     if unknown:
@@ -102,7 +131,8 @@ def load_preset(preset_or_path) -> MeshPreset:
     with open(p) as f:
         d = yaml.safe_load(f) or {}
     name = os.path.splitext(os.path.basename(p))[0]
-    unknown = sorted(set(d) - {"ici", "dcn", "rules", "device", "hbm_gib", "description", "train_preset"})
+    unknown = sorted(set(d) - {"ici", "dcn", "rules", "rules_override", "device", "hbm_gib", "description",
+                               "train_preset"})
     if unknown:
         raise ConfigError(f"mesh {name}: unknown keys {unknown}")
     for key in ("ici", "dcn"):
@@ -110,7 +140,7 @@ def load_preset(preset_or_path) -> MeshPreset:
         if bad:
             raise ConfigError(f"mesh {name}: {key} names unknown mesh axes {bad} (axes: {AXES})")
     return MeshPreset(name, dict(d.get("ici") or {}), dict(d.get("dcn") or {}),
-                      _rules_from_yaml(name, d.get("rules") or {}), d.get("device", ""), d.get("hbm_gib"),
+                      _preset_rules(name, d), d.get("device", ""), d.get("hbm_gib"),
                       d.get("train_preset"))
 
 

@@ -10,7 +10,6 @@ scan carry; AttnRes pushes are decided from the (traced) layer index.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -27,6 +26,8 @@ from k3jax.layers.mla import GatedMLA
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
+from k3jax.layout import GROUPS, LayerPlan, layer_plan, slot_name, slot_pushes, unrolled_name  # noqa: F401
+from k3jax.ops.splice import splice_rows
 
 
 # LoRA adapters (RuntimeOptions.lora) are the flax collection 'lora', laid out like the
@@ -44,51 +45,6 @@ def variables_of(params) -> dict:
 # ---------------------------------------------------------------------------------------
 # Where the layers go
 # ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerPlan:
-    """head (unrolled) + n_groups × group (scanned) + tail (unrolled), 0-based indices."""
-    head: tuple[int, ...]
-    group: tuple[tuple[str, str], ...]      # (attention kind, ffn kind) per layer in a group
-    group_start: int
-    n_groups: int
-    tail: tuple[int, ...]
-
-    @property
-    def group_size(self) -> int:
-        return len(self.group)
-
-
-def layer_plan(cfg: ModelConfig, max_period: int = 8) -> LayerPlan:
-    """The longest run of ≥ 2 identical consecutive layer groups. Ties prefer groups that
-    close on full attention (K3's [KDA, KDA, KDA, MLA]), then shorter periods."""
-    kinds = list(zip(cfg.layer_kinds, cfg.ffn_kinds))
-    L = len(kinds)
-    best_key, best = None, None
-    for p in range(1, min(max_period, L // 2) + 1) if cfg.runtime.scan_layers else ():
-        for start in range(L - 2 * p + 1):
-            group = kinds[start:start + p]
-            n = 1
-            while start + (n + 1) * p <= L and kinds[start + n * p:start + (n + 1) * p] == group:
-                n += 1
-            key = (n * p, group[-1][0] == "mla", -p, -start)
-            if n >= 2 and (best_key is None or key > best_key):
-                best_key, best = key, (p, start, n)
-    if best is None:
-        return LayerPlan(tuple(range(L)), (), L, 0, ())
-    p, start, n = best
-    return LayerPlan(tuple(range(start)), tuple(kinds[start:start + p]), start, n,
-                     tuple(range(start + n * p, L)))
-
-
-def slot_pushes(cfg: ModelConfig, plan: LayerPlan) -> tuple[bool, ...]:
-    """Per slot of the scanned group: whether any group's layer there starts an AttnRes block."""
-    if not cfg.use_attn_res:
-        return (False,) * plan.group_size
-    bs = cfg.attn_res_block_size
-    return tuple(any((plan.group_start + g * plan.group_size + j) % bs == 0 for g in range(plan.n_groups))
-                 for j in range(plan.group_size))
-
-
 # ---------------------------------------------------------------------------------------
 # Residual state
 # ---------------------------------------------------------------------------------------
@@ -176,7 +132,7 @@ class LayerGroup(nn.Module):
         updates = None if cache is None else {}
         pushes = self.pushes or (True,) * len(self.kinds)
         for j, (attn_kind, ffn_kind) in enumerate(self.kinds):
-            name = f"sub_{j}"
+            name = slot_name(j)
             if pushes[j] and res.pending is not None:   # a second push in one group: write the first
                 res = Residual(res.p, *flush_block(res.stack, res.count, res.pending, res.has_pending))
             res, u = layer_cls(self.cfg, attn_kind, ffn_kind, pushes[j], True, name=name)(
@@ -215,9 +171,7 @@ class K3Model(nn.Module):
         cfg = self.cfg
         validate_inputs(cfg, tokens, segment_ids)
         plan = layer_plan(cfg)
-        emb = TokenEmbed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
-                       embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")),
-                       name="embed_tokens")
+        emb = _embedding(cfg)
         h = emb(tokens)
         if image_features is not None:
             h = splice_features(h, image_features, feature_rows)
@@ -228,7 +182,7 @@ class K3Model(nn.Module):
         updates = None if cache is None else {}
 
         def unrolled(res, i):
-            name = f"layers_{i}"
+            name = unrolled_name(i)
             may_push = cfg.use_attn_res and i % cfg.attn_res_block_size == 0
             res, u = layer_cls(cfg, cfg.layer_kinds[i], cfg.ffn_kinds[i], may_push, name=name)(
                 res, segment_ids, i, None if cache is None else cache[name], pos)
@@ -245,10 +199,10 @@ class K3Model(nn.Module):
                               in_axes=(nn.broadcast, 0, 0, nn.broadcast),
                               length=plan.n_groups, metadata_params={nn.PARTITION_NAME: "layers"})
             firsts = plan.group_start + plan.group_size * jnp.arange(plan.n_groups, dtype=jnp.int32)
-            res, u = Scanned(cfg, plan.group, slot_pushes(cfg, plan), name="groups")(
-                res, segment_ids, firsts, None if cache is None else cache["groups"], pos)
+            res, u = Scanned(cfg, plan.group, slot_pushes(cfg, plan), name=GROUPS)(
+                res, segment_ids, firsts, None if cache is None else cache[GROUPS], pos)
             if cache is not None:
-                updates["groups"] = u
+                updates[GROUPS] = u
         for i in plan.tail:
             res = unrolled(res, i)
 
@@ -259,14 +213,9 @@ class K3Model(nn.Module):
             stack = jnp.take_along_axis(res.stack, last[None], axis=2) if res.stack.shape[0] else res.stack
             res = Residual(h, stack, res.count)
         # rematerialised with the layers: left alone it would save fp32 copies of the whole stack
-        out_res = nn.remat(AttnRes) if cfg.runtime.remat != "none" else AttnRes
-        h = (out_res(cfg.rms_norm_eps, name="output_attn_res")(res.stack, res.count, res.p)
-             if cfg.use_attn_res else res.p)
-        h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
-        if cfg.tie_word_embeddings:
-            logits = emb.attend(h)
-        else:
-            logits = dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")(h)
+        h = _output_attn_res(cfg)(res.stack, res.count, res.p) if cfg.use_attn_res else res.p
+        h = _final_norm(cfg)(h)
+        logits = emb.attend(h) if cfg.tie_word_embeddings else _lm_head(cfg)(h)
         if cache is not None:
             return logits[:, 0].astype(jnp.float32), updates
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
@@ -279,8 +228,7 @@ def splice_features(h, features, rows):
                          f"got {None if rows is None else tuple(rows.shape)}")
     if features.ndim != 2 or features.shape[1] != h.shape[-1]:
         raise InputError(f"image_features must be [rows, hidden_size={h.shape[-1]}], got {tuple(features.shape)}")
-    picked = jnp.take(features.astype(h.dtype), jnp.maximum(rows, 0), axis=0)
-    return jnp.where((rows >= 0)[..., None], picked, h)
+    return splice_rows(h, features, rows)
 
 
 def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):
@@ -304,21 +252,40 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):
             raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
+# The params outside the decoder layers, each declared once: K3Model builds them here, and
+# `init_params` (which initialises the layers apart, per kind) through _TopLevel.
+def _embedding(cfg: ModelConfig) -> TokenEmbed:
+    return TokenEmbed(cfg.vocab_size, cfg.hidden_size, dtype=compute_dtype(cfg), param_dtype=param_dtype(cfg),
+                      embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")), name="embed_tokens")
+
+
+def _output_attn_res(cfg: ModelConfig):
+    # rematerialised with the layers: left alone it would save fp32 copies of the whole stack
+    cls = nn.remat(AttnRes) if cfg.runtime.remat != "none" else AttnRes
+    return cls(cfg.rms_norm_eps, name="output_attn_res")
+
+
+def _final_norm(cfg: ModelConfig) -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, name="norm")
+
+
+def _lm_head(cfg: ModelConfig):
+    return dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")
+
+
 class _TopLevel(nn.Module):
-    """The params outside the decoder layers, for `init_params`; same names as K3Model."""
+    """The params outside the decoder layers (K3Model's own declarations), for `init_params`."""
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, h):
         cfg = self.cfg
-        nn.Embed(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype(cfg),
-                 embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")), name="embed_tokens")(
-            jnp.zeros(h.shape[:2], jnp.int32))
+        _embedding(cfg)(jnp.zeros(h.shape[:2], jnp.int32))
         if cfg.use_attn_res:
-            AttnRes(cfg.rms_norm_eps, name="output_attn_res")(None, 0, h)
-        h = RMSNorm(cfg.rms_norm_eps, name="norm")(h)
+            _output_attn_res(cfg)(None, 0, h)
+        h = _final_norm(cfg)(h)
         if not cfg.tie_word_embeddings:
-            dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")(h)
+            _lm_head(cfg)(h)
 
 
 def _init_seed(rng, i: int):
@@ -393,15 +360,15 @@ def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
     stacked over the scanned groups (subtrees left empty by a layer are omitted)."""
     for i in plan.head + plan.tail:
         if layers[i]:
-            tree[f"layers_{i}"] = layers[i]
+            tree[unrolled_name(i)] = layers[i]
     if plan.n_groups:
         groups = {}
         for j in range(plan.group_size):
             members = [layers[plan.group_start + g * plan.group_size + j] for g in range(plan.n_groups)]
             if members[0]:
-                groups[f"sub_{j}"] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+                groups[slot_name(j)] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
         if groups:
-            tree["groups"] = groups
+            tree[GROUPS] = groups
     return tree
 
 

@@ -1,7 +1,7 @@
 """Per-device memory plan for a config on a mesh preset, from abstract shapes only.
 
 Params, gradients and optimizer state are exact for the sharding the preset's rules give
-(`k3jax.sharding.fit_spec`, the same rule `param_shardings` applies). Activations are an
+(`k3jax.sharding.param_specs`, what `param_shardings` places them by). Activations are an
 estimate per layer, counted per token from the layer's intermediate tensors, for each remat
 policy; caches are exact. Nothing is allocated, so this runs for full K3 on a laptop.
 """
@@ -17,7 +17,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.sharding import MeshPreset, entry_axes, fit_spec
+from k3jax.sharding import MeshPreset, entry_axes, param_specs
 
 GIB = 1 << 30
 
@@ -80,15 +80,14 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     sizes = preset.shape(opt.devices)
     run = run_config(cfg, opt)
     boxed = _abstract(run)
-    names = nn.get_partition_spec(boxed)
-    mesh_specs = nn.logical_to_mesh(names, preset.rules)
+    mesh_specs = param_specs(boxed, preset.rules, sizes)
     shapes = nn.unbox(boxed)
     groups = jax.tree.leaves(muon.param_groups(run, shapes, opt.freeze))
     out = dict(params=0, grads=0, optimizer=0, adapters=0)
     leaves = jax.tree_util.tree_leaves_with_path(shapes)
     flat_specs = jax.tree.leaves(mesh_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     for (path, leaf), spec, group in zip(leaves, flat_specs, groups):
-        local = math.prod(leaf.shape) // _sizes(fit_spec(leaf.shape, spec, sizes), sizes)
+        local = math.prod(leaf.shape) // _sizes(spec, sizes)
         out["params"] += local * np.dtype(leaf.dtype).itemsize
         if getattr(path[0], "key", None) == "lora":
             out["adapters"] += local * np.dtype(leaf.dtype).itemsize
@@ -144,7 +143,7 @@ def saved_carry_values(cfg: ModelConfig) -> int:
     (pushes are deferred to the group's end, `attn_res.defer_block`), plus one pending block
     per slot that can push, a second push in a group writing the first out (one more
     stack); unrolled layers are counted one stack each."""
-    from k3jax.model import layer_plan, slot_pushes
+    from k3jax.layout import layer_plan, slot_pushes
     D = cfg.hidden_size
     if not cfg.use_attn_res:
         return D * cfg.num_hidden_layers
@@ -157,8 +156,8 @@ def saved_carry_values(cfg: ModelConfig) -> int:
 def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int) -> float:
     """Values per device of one 'ep' exchange's worst-case buffers: the receive rows and their
     results ([rows, latent] each) and the expert FFN's gate, up and activation over them
-    ([rows, hidden / tp]), for the chunk `layers.moe.ep_chunks` gives."""
-    from k3jax.layers.moe import ep_chunks, ep_receive_rows
+    ([rows, hidden / tp]), for the chunk `ops.moe_dispatch.ep_chunks` gives."""
+    from k3jax.ops.moe_dispatch import ep_chunks, ep_receive_rows
     n = max(int(math.ceil(tokens)), 1)
     k, H = cfg.num_experts_per_token, cfg.moe_hidden_size
     chunk = -(-n // ep_chunks(n, k, P, H, width, cfg))

@@ -12,21 +12,47 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.mesh import (AXES, LOGICAL_AXES, MESH_DIR, MeshPreset, active_mesh_axes, batch_sharding,  # noqa: F401
                         entry_axes, fit_spec, load_mesh, load_preset, preset_for, use_mesh)
+from k3jax.config import ConfigError
 from k3jax.model import LORA_KEY, abstract_adapters, abstract_params, init_params
+
+
+def _boxed(cfg):
+    boxed = abstract_params(cfg)
+    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
+
+
+def param_specs(boxed, rules, sizes: dict) -> dict:
+    """PartitionSpec per param of a boxed abstract tree (`abstract_params`): its logical
+    names under `rules`, each mesh axis kept only on dims it divides (`fit_spec`). A dim
+    whose rule names a mesh axis (of size > 1) another dim of the same weight already took
+    is a ConfigError naming the param: flax would leave that dim unsharded without a word,
+    which is how inference presets once split the routed experts over their hidden."""
+    table = dict(rules)
+
+    def one(path, x):
+        if not isinstance(x, nn.Partitioned):
+            return P()
+        names = tuple(x.names)
+        got = nn.logical_to_mesh_axes(names, rules)
+        for name, entry in zip(names, got):
+            want = [a for a in entry_axes(table.get(name)) if sizes.get(a, 1) > 1] if name else []
+            if want and not entry_axes(entry):
+                taken = {a: n for n, e in zip(names, got) for a in entry_axes(e)}
+                clash = ", ".join(f"{a!r} (taken by {taken[a]!r})" for a in want if a in taken)
+                raise ConfigError(f"sharding rules: param {jax.tree_util.keystr(path)} {names}: rule "
+                                  f"{name!r} -> {table[name]!r} cannot apply, mesh axis {clash} is used twice; "
+                                  "give the dim its own logical name or change the rules")
+        # plain unwrap: nn.unbox would apply sharding constraints under a context mesh
+        return fit_spec(x.value.shape, P(*got), sizes)
+
+    return jax.tree_util.tree_map_with_path(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def param_shardings(cfg, mesh: Mesh, rules) -> dict:
     """NamedSharding per param (same tree as `init_params`, adapters included), from the
-    logical names."""
-    boxed = abstract_params(cfg)
-    if cfg.runtime.lora is not None:
-        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
-    specs = nn.get_partition_spec(boxed)
-    # plain unwrap: nn.unbox would apply sharding constraints to shapes under a context mesh
-    shapes = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    mesh_specs = nn.logical_to_mesh(specs, rules)
-    return jax.tree.map(lambda s, x: NamedSharding(mesh, fit_spec(x.shape, s, dict(mesh.shape))), mesh_specs, shapes,
-                        is_leaf=lambda x: isinstance(x, P))
+    logical names (`param_specs`)."""
+    specs = param_specs(_boxed(cfg), rules, dict(mesh.shape))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def init_params_sharded(cfg, key, mesh: Mesh, rules) -> dict:

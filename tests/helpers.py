@@ -18,8 +18,22 @@ def need(path: Path) -> Path:
 
 
 def rel_l2(a, b) -> float:
+    """‖a − b‖₂ / ‖b‖₂ in float64 (= the relative RMS error); 0 when both are zero."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return _ratio(np.linalg.norm(a - b), np.linalg.norm(b))
+
+
+def rel_max(a, b) -> float:
+    """max|a − b| / max|b| in float64; 0 when both are zero."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return _ratio(np.max(np.abs(a - b), initial=0.0), np.max(np.abs(b), initial=0.0))
+
+
+def _ratio(num, den) -> float:
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(num / den)
 
 
 def assert_logits_match(logits, ref, rel: float = 1e-4, max_abs: float = 2e-3, margin: float = 1e-2):

@@ -2,6 +2,7 @@
 the decode-time gather dispatch, and (in the [tpu] environment) a toy compile for a TPU
 topology through the command itself."""
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -122,7 +123,7 @@ def _kda_toy(groups: int):
 
 
 def test_reduced_depth_keeps_the_plan_and_the_attn_res_stack():
-    from k3jax.model import layer_plan
+    from k3jax.layout import layer_plan
     full = _deep_toy(4).text
     r = depth.reduced(full, 2)
     assert depth.group_count(full) == 4 and r.num_hidden_layers == full.num_hidden_layers - 8
@@ -162,7 +163,8 @@ def test_gather_dispatch_matches_dense(preset, n, fmt, lora):
     meshes splitting the experts over `expert` and their hidden over `tensor`."""
     from k3jax import sharding
     from k3jax.config import LoraSpec
-    from k3jax.layers.moe import DISPATCH, experts_dense
+    from k3jax.layers.mlp import glu_activation
+    from k3jax.ops.moe_dispatch import DISPATCH, experts_dense
     from k3jax.ops.mxfp4 import MXFP4, quantize_mxfp4_jax
     cfg = load("toy")
     if lora:
@@ -180,8 +182,9 @@ def test_gather_dispatch_matches_dense(preset, n, fmt, lora):
     if lora:
         for role, (i, o) in {"w1": (H, F), "w3": (H, F), "w2": (F, H)}.items():
             adapters[role] = (f32(i, r) if lora == "shared_a" else f32(E, i, r), f32(E, r, o))
-    ref = np.asarray(experts_dense(cfg, z, idx, w, weights, adapters))
-    fn = jax.jit(lambda *a: DISPATCH["gather"](cfg, *a))
+    act = functools.partial(glu_activation, cfg)
+    ref = np.asarray(experts_dense(cfg, act, z, idx, w, weights, adapters))
+    fn = jax.jit(lambda *a: DISPATCH["gather"](cfg, act, *a))
     if preset is None:
         got = fn(z, idx, w, weights, adapters)
     else:

@@ -50,9 +50,9 @@ def test_sharded_train_step_lowers_for_cuda_on_b300x8():
 @pytest.mark.parametrize("backend,blocks", [("gpu", 512), ("cpu", 128)])
 def test_target_backend_picks_the_forms(backend, blocks):
     """What `gpu.target` changes while tracing: KDA's block length and MoE's exchange."""
-    from k3jax.layers import moe
-    from k3jax.ops import kda_chunk
+    from k3jax.config import load
+    from k3jax.ops import kda_chunk, moe_dispatch
     with gpu.target(backend):
         assert kda_chunk.block_tokens() == blocks
-        if moe.EP_A2A == "auto":
-            assert moe._a2a_mode() == ("ragged" if backend == "gpu" else "padded")
+        assert moe_dispatch._a2a_mode(load("toy")) == ("ragged" if backend == "gpu" else "padded")
+        assert moe_dispatch._a2a_mode(load("toy", ep_exchange="emulated")) == "emulated"

@@ -16,6 +16,8 @@ import pytest
 
 from k3jax.ops.kda import chunk_transitions, kda, kda_step
 
+from helpers import rel_l2, rel_max
+
 kda_jit = jax.jit(kda, static_argnames=("scale", "output_final_state", "impl", "chunk_size"))
 
 
@@ -102,14 +104,7 @@ def numpy_kda(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None
     return o, S
 
 
-def rel_rms(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
-
-
-def rel_max(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+rel_rms = rel_l2   # ‖a − b‖ / ‖b‖ is the relative RMS error
 
 
 # ---------------------------------------------------------------------------------------
@@ -430,3 +425,27 @@ def test_bad_arguments_raise_clear_errors():
     step_args = {n: a[:, 0] for n, a in x.items()}
     with pytest.raises(ValueError, match="state"):
         kda_step(**step_args, state=np.zeros((2, 2, 16, 15), np.float32))
+
+
+def test_auto_picks_by_backend_and_shape(monkeypatch):
+    """'auto' is 'chunk' when tracing for TPU or GPU (ahead-of-time compiles name the
+    target), and on CPU 'recurrent' only for small heads over short sequences; the choice
+    gives the same outputs as the impl it names."""
+    from k3jax.ops import kda as kda_mod
+    K, T = kda_mod.CPU_RECURRENT_MAX_K, kda_mod.CPU_RECURRENT_MAX_T
+    monkeypatch.setenv("K3JAX_TARGET_BACKEND", "cpu")
+    assert kda_mod.resolve_impl("auto", T, K) == "recurrent"
+    assert kda_mod.resolve_impl("auto", T + 1, K) == "chunk"
+    assert kda_mod.resolve_impl("auto", T, 2 * K) == "chunk"
+    assert kda_mod.resolve_impl("pallas", T, K) == "pallas"
+    for backend in ("tpu", "gpu"):
+        monkeypatch.setenv("K3JAX_TARGET_BACKEND", backend)
+        assert kda_mod.resolve_impl("auto", 16, 8) == "chunk"
+    monkeypatch.setenv("K3JAX_TARGET_BACKEND", "cpu")
+    r = np.random.default_rng(0)
+    q, k = (_l2norm(r.normal(size=(1, 40, 2, 8))) for _ in range(2))
+    v = r.normal(size=(1, 40, 2, 8))
+    g = -np.abs(r.normal(size=(1, 40, 2, 8))) * 0.1
+    beta = r.random((1, 40, 2))
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+    np.testing.assert_array_equal(kda(*args)[0], kda(*args, impl="recurrent")[0])

@@ -23,8 +23,11 @@ from k3jax.layers.attn_res import AttnRes, attn_res_mix, push_block
 from k3jax.layers.kda import KimiDeltaAttention, causal_conv_silu
 from k3jax.layers.mla import GatedMLA
 from k3jax.layers.mlp import GatedMLP, glu_activation, situ_glu
-from k3jax.layers.moe import StableLatentMoE, experts_dense, experts_ragged, route
+from k3jax.layers.moe import StableLatentMoE, route
 from k3jax.layers.norms import GatedRMSNorm, RMSNorm
+from k3jax.ops.moe_dispatch import experts_dense, experts_ragged
+
+from helpers import rel_max
 
 TOL = 1e-5
 F32, F64 = np.float32, np.float64
@@ -35,15 +38,7 @@ BF16 = jnp.bfloat16
 # helpers
 
 
-def rel_err(a, b) -> float:
-    """max|a − b| / max|b| in float64 (0 when both are exactly zero)."""
-    a, b = np.asarray(a, F64), np.asarray(b, F64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    den = np.max(np.abs(b))
-    num = np.max(np.abs(a - b))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return float(num / den)
+rel_err = rel_max
 
 
 def check(a, b, what: str, tol: float = TOL) -> float:
@@ -622,8 +617,9 @@ def test_experts_dense_and_ragged(act):
     idx = np.stack([rng.choice([0, 1, 2, 3, 4, 6, 7], k, replace=False) for _ in range(N)]).astype(np.int32)
     w = rng.uniform(0.1, 1.0, (N, k)).astype(F32)
     ref = experts_ref(cfg, F64(z), idx, F64(w), F64(w1), F64(w2), F64(w3))
-    dense = jax.jit(functools.partial(experts_dense, cfg))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
-    ragged = jax.jit(functools.partial(experts_ragged, cfg))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+    act = functools.partial(glu_activation, cfg)
+    dense = jax.jit(functools.partial(experts_dense, cfg, act))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+    ragged = jax.jit(functools.partial(experts_ragged, cfg, act))(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
     assert dense.dtype == ragged.dtype == jnp.float32
     check(dense, ref, f"experts_dense {act}")
     check(ragged, ref, f"experts_ragged {act}")

@@ -219,7 +219,8 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
     shard_map specs: experts over `expert`, the hidden over `tensor`) against `dense`, in
     value and in the gradients of the input and the adapters."""
     from k3jax import sharding
-    from k3jax.layers import moe
+    from k3jax.layers.mlp import glu_activation
+    from k3jax.ops import moe_dispatch as md
     from k3jax.ops.mxfp4 import MXFP4, quantize_mxfp4_jax
 
     cfg = _cfg()
@@ -236,13 +237,13 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
                                               M.abstract_params(cfg)))
 
     def f(fn, z, ad):
-        y = fn(cfgl, z, idx, w, weights, ad)
+        y = fn(cfgl, functools.partial(glu_activation, cfgl), z, idx, w, weights, ad)
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1))
-    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, ad)
+    (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, ad)
     mesh, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(mesh, rules):
-        (_, y), g = jax.jit(grad(functools.partial(f, moe.DISPATCH[dispatch])))(z, ad)
+        (_, y), g = jax.jit(grad(functools.partial(f, md.DISPATCH[dispatch])))(z, ad)
     assert rel_l2(y, y0) <= 1e-5
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
         assert rel_l2(a, b) <= 1e-5
@@ -252,7 +253,8 @@ def test_ep_exchange_in_chunks_equals_one_exchange():
     """A receive-buffer budget smaller than the dropless worst case runs each device's
     tokens through the exchange in chunks: same values and gradients as one exchange."""
     from k3jax import sharding
-    from k3jax.layers import moe
+    from k3jax.layers.mlp import glu_activation
+    from k3jax.ops import moe_dispatch as md
 
     cfg = _cfg()
     r = np.random.default_rng(5)
@@ -264,16 +266,16 @@ def test_ep_exchange_in_chunks_equals_one_exchange():
           (("w1", (E, H, F)), ("w3", (E, H, F)), ("w2", (E, F, H)))}
     mesh, rules = sharding.load_mesh("expert8")
     n_local = N // 8
-    rows = moe.ep_receive_rows(n_local * k, 8, 0.0)
+    rows = md.ep_receive_rows(n_local * k, 8, 0.0)
 
     def run(budget_mib):
         c = cfg.with_runtime(ep_buffer_mib=budget_mib)
-        f = lambda z, ws: jnp.sum(jnp.sin(moe.experts_ep(c, z, idx, w, ws, {})))  # noqa: E731
+        f = lambda z, ws: jnp.sum(jnp.sin(md.experts_ep(c, functools.partial(glu_activation, c), z, idx, w, ws, {})))  # noqa: E731
         with sharding.use_mesh(mesh, rules):
             return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(z, ws)
 
     budget = rows * H * 4 / 2.5 / 2**20     # room for 2.5 chunks' receive rows
-    assert moe.ep_chunks(n_local, k, 8, H, 4, cfg.with_runtime(ep_buffer_mib=budget)) == 3
+    assert md.ep_chunks(n_local, k, 8, H, 4, cfg.with_runtime(ep_buffer_mib=budget)) == 3
     (v1, g1), (v3, g3) = run(0.0), run(budget)   # 5 local tokens in 3 chunks: padded
     assert abs(float(v1) - float(v3)) <= 1e-5 * abs(float(v1))
     for a, b in zip(jax.tree.leaves(g3), jax.tree.leaves(g1)):

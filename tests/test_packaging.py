@@ -30,6 +30,7 @@ def test_wheel_holds_every_preset_and_sample(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     want = ({f"k3jax/presets/{f}" for f in _files("configs", ".yaml")}
             | {f"k3jax/presets/meshes/{f}" for f in _files("configs/meshes", ".yaml")}
+            | {f"k3jax/presets/meshes/rules/{f}" for f in _files("configs/meshes/rules", ".yaml")}
             | {f"k3jax/data/{f}" for f in _files("data", ".txt", ".jsonl")}
             | {"k3jax/py.typed", "k3jax/k3_special_tokens.json"})
     assert want <= names, sorted(want - names)

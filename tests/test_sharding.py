@@ -16,18 +16,17 @@ import pytest
 from k3jax import sharding
 from k3jax.config import ConfigError, load
 from k3jax.layers import moe
+from k3jax.layers.mlp import glu_activation
+from k3jax.ops import moe_dispatch as md
 from k3jax.model import K3Model, init_params
+
+from helpers import rel_l2 as rel
 
 MESHES = ["data8", "data2_fsdp2_expert2", "expert8", "fsdp2_expert2_tensor2", "data2_context2_expert2"]
 TOL = 1e-5
 # KDA's implementation is not what these tests are about, and the per-token recurrence
 # compiles far faster on CPU than the chunked form at this length.
 RUNTIME = dict(kda_impl="recurrent")
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def step_fn(cfg):
@@ -144,12 +143,11 @@ def test_init_params_sharded_equals_init_params():
 
 
 @pytest.mark.parametrize("mode", ["padded", "emulated"])
-def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
+def test_ep_dispatch_dropless_skewed(mode):
     """Ragged token counts (not divisible by the shards) and a skewed router that sends most
     pairs to two experts: nothing is dropped, values and gradients equal `dense`. 'emulated'
     checks the offsets/sizes given to ragged_all_to_all (TPU/GPU) through a CPU stand-in."""
-    monkeypatch.setattr(moe, "EP_A2A", mode)
-    cfg = load("toy")
+    cfg = load("toy", ep_exchange=mode)
     E, H, F, k, N = 8, 8, 8, 2, 21
     r = np.random.default_rng(1)
     z = jnp.asarray(r.normal(size=(N, H)), jnp.float32)
@@ -161,13 +159,13 @@ def test_ep_dispatch_dropless_skewed(monkeypatch, mode):
     w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
 
     def f(fn, z, w, w1, w2, w3):
-        y = fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+        y = fn(cfg, functools.partial(glu_activation, cfg), z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
-    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, w, w1, w2, w3)
+    (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, w, w1, w2, w3)
     mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
     with sharding.use_mesh(mesh, rules):
-        (_, y), g = jax.jit(grad(functools.partial(f, moe.experts_ep)))(z, w, w1, w2, w3)
+        (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ep)))(z, w, w1, w2, w3)
     assert rel(y, y0) < TOL
     for a, b in zip(g, g0):
         assert rel(a, b) < TOL
@@ -194,14 +192,14 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
 
     def f(fn, z, gate, w1, w2, w3):
         idx, w, _ = moe.route(z, gate, jnp.zeros((E,)), k, True, 1.0)
-        y = fn(cfg, z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+        y = fn(cfg, functools.partial(glu_activation, cfg), z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
-    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense))(z, gate, w1, w2, w3)
+    (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, gate, w1, w2, w3)
     topk_rows.clear()
     mesh, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(mesh, rules):
-        (_, y), g = jax.jit(grad(functools.partial(f, moe.experts_ragged)))(z, gate, w1, w2, w3)
+        (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ragged)))(z, gate, w1, w2, w3)
     shards = 8 if preset == "data8" else 4                 # fsdp2_expert2: batch over fsdp, expert
     assert rows == {-(-N // shards) * k}
     assert topk_rows == ({N // shards} if N % shards == 0 else {N})  # undivided: top_k replicated
@@ -232,13 +230,12 @@ def _kept_pairs(idx, P, El, R):
 
 @pytest.mark.parametrize("mode", ["padded", "emulated"])
 @pytest.mark.parametrize("factor", [1.0, 1.5])
-def test_ep_capacity_drops_exactly_the_overflow(monkeypatch, mode, factor):
+def test_ep_capacity_drops_exactly_the_overflow(mode, factor):
     """With ep_capacity_factor each device keeps ceil(c·n·k) received pairs, packed in sender
     order; the dropped pairs contribute nothing. Values and gradients equal `dense` with the
     dropped pairs' weights zeroed, the pairs chosen by an independent NumPy walk of the policy."""
-    monkeypatch.setattr(moe, "EP_A2A", mode)
     P, E, H, F, k, N = 8, 16, 8, 8, 2, 64
-    cfg = load("toy").with_runtime(ep_capacity_factor=factor)
+    cfg = load("toy").with_runtime(ep_capacity_factor=factor, ep_exchange=mode)
     r = np.random.default_rng(2)
     idx = np.stack([r.choice(E, k, replace=False) for _ in range(N)])
     idx[r.random(N) < 0.5] = [1, 0]                      # half the tokens crowd device 0
@@ -251,13 +248,13 @@ def test_ep_capacity_drops_exactly_the_overflow(monkeypatch, mode, factor):
     idx = jnp.asarray(idx, jnp.int32)
 
     def f(fn, mask, z, w, w1, w2, w3):
-        y = fn(cfg, z, idx, w * mask, {"w1": w1, "w2": w2, "w3": w3}, {})
+        y = fn(cfg, functools.partial(glu_activation, cfg), z, idx, w * mask, {"w1": w1, "w2": w2, "w3": w3}, {})
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
-    (_, y0), g0 = grad(functools.partial(f, moe.experts_dense, jnp.asarray(keep, jnp.float32)))(z, w, w1, w2, w3)
+    (_, y0), g0 = grad(functools.partial(f, md.experts_dense, jnp.asarray(keep, jnp.float32)))(z, w, w1, w2, w3)
     mesh, rules = sharding.load_mesh("expert8")
     with sharding.use_mesh(mesh, rules):
-        (_, y), g = jax.jit(grad(functools.partial(f, moe.experts_ep, 1.0)))(z, w, w1, w2, w3)
+        (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ep, 1.0)))(z, w, w1, w2, w3)
     assert rel(y, y0) < TOL
     for a, b in zip(g, g0):
         assert rel(a, b) < TOL
@@ -428,3 +425,62 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
     assert calls and calls[0]["axis_name"] == "context" and calls[0]["impl"] == impl
     assert rel(got, want) < 1e-5
     assert rel(flat(got_g), flat(want_g)) < 1e-5
+
+
+def test_rules_tables_are_shared_and_overridden(tmp_path):
+    """Presets name a table of configs/meshes/rules/ and may change single entries."""
+    zero3 = sharding.load_preset("v5p-1024")
+    cp4 = sharding.load_preset("v5p-1024-cp4")
+    assert dict(zero3.rules)["embed"] == ("fsdp", "expert")
+    assert dict(cp4.rules)["embed"] == ("fsdp", "context", "expert")       # its rules_override
+    assert {k: v for k, v in cp4.rules if k != "embed" and k not in ("kda_rank", "q_lora", "kv_lora", "latent")} \
+        == {k: v for k, v in zero3.rules if k != "embed" and k not in ("kda_rank", "q_lora", "kv_lora", "latent")}
+    (tmp_path / "t.yaml").write_text("ici: {expert: 8}\nrules: zero4\n")
+    with pytest.raises(ConfigError, match="no rules table 'zero4'"):
+        sharding.load_preset(str(tmp_path / "t.yaml"))
+
+
+def test_every_preset_splits_the_routed_experts_over_the_expert_axis():
+    """K3's routed expert stacks on every preset: the expert dim over `expert` wherever that
+    axis is > 1 (the 'ep' dispatch's shard_map expects them there). The inference presets
+    once split the experts' hidden over it instead, silently: their `mlp: expert` rule was
+    applied to the experts' hidden before `expert: expert` could apply."""
+    from k3jax.layout import stacked_axes
+    from k3jax.model import abstract_params
+    boxed = abstract_params(load("k3"))
+    for path in sorted(glob.glob(os.path.join(sharding.MESH_DIR, "*.yaml"))):
+        preset = sharding.load_preset(path)
+        sizes = preset.shape(None if -1 not in preset.ici.values() else 1024)
+        specs = sharding.param_specs(boxed, preset.rules, sizes)
+        checked, routers = 0, 0
+        for p, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
+            keys = [k.key for k in p]
+            routers += keys[-1] == "gate" and "block_sparse_moe" in keys
+            if keys[-1] in ("w1", "w2", "w3") and "block_sparse_moe" in keys:
+                dims = [sharding.entry_axes(e) for e in tuple(spec)]
+                on_expert = [i for i, axes in enumerate(dims) if "expert" in axes]
+                want = [stacked_axes(keys)] if sizes["expert"] > 1 else on_expert   # a size-1 axis splits nothing
+                assert on_expert == want, (preset.name, keys, spec)
+                checked += 1
+        assert checked == 3 * routers > 0, (preset.name, checked, routers)   # w1/w2/w3 of every MoE
+
+
+def test_a_rule_that_cannot_apply_is_named():
+    """Two dims of one weight asking for the same mesh axis is an error naming the param
+    and the rule (flax would leave one of them unsharded without a word)."""
+    from k3jax.model import abstract_params
+    preset = sharding.load_preset("expert8")
+    rules = tuple((k, "expert" if k == "expert_mlp" else v) for k, v in preset.rules)
+    with pytest.raises(ConfigError, match=r"block_sparse_moe.*'w1'.*cannot apply.*'expert'"):
+        sharding.param_specs(abstract_params(load("toy")), rules, preset.shape())
+
+
+def test_auto_dispatch_is_ep_exactly_where_the_mesh_has_an_expert_axis():
+    cfg = load("toy")
+    assert cfg.runtime.moe_dispatch == "auto" and md.dispatch_name(cfg) == "ragged"
+    for preset, want in (("expert8", "ep"), ("data8", "ragged"), ("fsdp2_expert2_tensor2", "ep")):
+        with sharding.use_mesh(*sharding.load_mesh(preset)):
+            assert md.dispatch_name(cfg) == want, preset
+            assert md.dispatch_name(cfg.with_runtime(moe_dispatch="dense")) == "dense"
+    with pytest.raises(ConfigError, match="ep_exchange"):
+        load("toy", ep_exchange="fast")

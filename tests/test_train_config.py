@@ -16,8 +16,12 @@ def resolve(*overrides, section=None):
     ("optimizer.schedule=linear", "train.optimizer.schedule: 'linear' is not one of 'cosine', 'constant'"),
     ("optimizer.schedule=bogus", "train.optimizer.schedule: 'bogus' is not one of"),
     ("runtime.remat=some", "train.runtime.remat: 'some' is not one of 'none', 'full', 'dots'"),
-    ("runtime.moe_dispatch=fast", "train.runtime.moe_dispatch: 'fast' is not one of 'dense', 'ragged', 'ep'"),
-    ("runtime.kda_impl=naive", "train.runtime.kda_impl: 'naive' is not one of 'recurrent', 'chunk', 'assoc', 'pallas'"),
+    ("runtime.moe_dispatch=fast", "train.runtime.moe_dispatch: 'fast' is not one of 'auto', 'dense', 'ragged', 'ep'"),
+    ("runtime.kda_impl=naive",
+     "train.runtime.kda_impl: 'naive' is not one of 'auto', 'recurrent', 'chunk', 'assoc', 'pallas'"),
+    ("runtime.ep_exchange=fast", "train.runtime.ep_exchange: 'fast' is not one of 'auto', 'padded', 'ragged'"),
+    ("runtime.scan_layers=1", "train.runtime.scan_layers: expected true or false, got 1"),
+    ("runtime.attention_q_block=-1", "train.runtime.attention_q_block: must be >= 0"),
     ("runtime.param_dtype=fp8", "train.runtime.param_dtype: 'fp8' is not one of"),
     ("data.tokenizer=sentencepiece", "train.data.tokenizer: 'sentencepiece' is not one of 'auto', 'byte', 'tiktoken'"),
     ("data.format=xml", "train.data.format: 'xml' is not one of 'text', 'chat'"),
@@ -156,3 +160,17 @@ def test_resume_conflicts_name_the_keys():
     got = tconf.resume_conflicts(lora, resolve("steps=40", "seed=1", "lora.rank=8", "init_from=other"))
     assert [c.split(":")[0] for c in got] == ["train.lora.rank", "train.init_from"], got
     assert tconf.resume_conflicts(saved, resolve("steps=40", "seed=1", "init_from=other")) == []
+
+
+def test_the_runtime_section_is_runtime_options():
+    """`runtime:` is RuntimeOptions itself: every field but `lora` (its own section), with
+    RuntimeOptions' defaults, and what it resolves to builds a RuntimeOptions."""
+    import dataclasses
+
+    from k3jax.config import RuntimeOptions
+    fields = {f.name for f in dataclasses.fields(RuntimeOptions)} - {"lora"}
+    rt = resolve()["runtime"]
+    assert set(rt) == fields
+    assert rt == {k: getattr(RuntimeOptions(), k) for k in fields}
+    got = RuntimeOptions(**resolve("runtime.ep_buffer_mib=256", "runtime.kda_chunk_size=32")["runtime"])
+    assert (got.ep_buffer_mib, got.kda_chunk_size) == (256.0, 32)

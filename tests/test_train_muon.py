@@ -123,7 +123,7 @@ def expected_group(cfg, path: str) -> str:
                 group, kind = group.split("@")
                 m = re.match(r"layers_(\d+)/", path)
                 sub = re.match(r"groups/sub_(\d+)/", path)
-                from k3jax.model import layer_plan
+                from k3jax.layout import layer_plan
                 actual = cfg.layer_kinds[int(m.group(1))] if m else layer_plan(cfg).group[int(sub.group(1))][0]
                 if actual != kind:
                     continue

@@ -1,6 +1,6 @@
 """Reduced depths and the extrapolation back to full depth.
 
-K3 is head + n × group + tail (`model.layer_plan`), the group scanned. A reduced config
+K3 is head + n × group + tail (`layout.layer_plan`), the group scanned. A reduced config
 keeps the head, the group and the tail and repeats the group fewer times, so every figure
 of a compiled step — each memory term, FLOPs, bytes, collective bytes — is a + b·n in the
 group count n: the fixed parts (embedding, lm_head, unrolled ends, loss) plus n times one
@@ -29,13 +29,13 @@ class ReducedDepthConfig(ModelConfig):
 
 
 def group_count(cfg: ModelConfig) -> int:
-    from k3jax.model import layer_plan
+    from k3jax.layout import layer_plan
     return layer_plan(cfg).n_groups
 
 
 def reduced(cfg: ModelConfig, n_groups: int) -> ModelConfig:
     """`cfg` with its scanned group repeated `n_groups` times (head and tail unchanged)."""
-    from k3jax.model import layer_plan
+    from k3jax.layout import layer_plan
     plan = layer_plan(cfg)
     if plan.n_groups < 2:
         raise ConfigError(f"{cfg.num_hidden_layers} layers hold no repeated group to reduce")

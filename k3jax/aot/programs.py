@@ -119,7 +119,7 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
     if opt.freeze:
         section["optimizer"] = {"freeze": list(opt.freeze)}
     tc = tconf.resolve(_merge(k3.train, section), overrides)
-    cfg = loop.run_model_config(k3, tc, (mesh, rules))
+    cfg = loop.run_model_config(k3, tc)
     with sharding.use_mesh(mesh, rules):
         params = abstract_params(cfg, mesh, rules)
         tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
@@ -147,13 +147,10 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def serve_config(k3: K3Config, mesh, opt: PlanOptions, runtime: dict | None = None):
-    """The config `k3jax generate --mesh` runs, in the plan's dtype ('ep' on an expert axis)."""
+def serve_config(k3: K3Config, opt: PlanOptions, runtime: dict | None = None):
+    """The config `k3jax generate --mesh` runs, in the plan's dtype."""
     rt = {k: v for k, v in _runtime(opt).items() if k != "remat"}
-    cfg = k3.text.with_runtime(**{**rt, **(runtime or {})})
-    if dict(mesh.shape).get("expert", 1) > 1 and "moe_dispatch" not in (runtime or {}):
-        cfg = cfg.with_runtime(moe_dispatch="ep")
-    return cfg
+    return k3.text.with_runtime(**{**rt, **(runtime or {})})
 
 
 def prefill_tokens(preset, opt: PlanOptions, batch: int, n_devices: int) -> int:
@@ -176,7 +173,7 @@ def serve_programs(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ru
     preset = sharding.load_preset(preset_name)
     mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
     batch = default_batch(preset, opt, len(devices))
-    cfg = serve_config(k3, mesh, opt, runtime)
+    cfg = serve_config(k3, opt, runtime)
     n = new_tokens or prefill_tokens(preset, opt, batch, len(devices))
     check_layout(preset, len(devices), batch, 1)
     if opt.seq > cfg.max_position_embeddings or n > opt.seq:

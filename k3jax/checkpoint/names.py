@@ -14,8 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from k3jax.checkpoint.vision_names import PREFIXES as VISION_PREFIXES, vision_tensor_map
 from k3jax.config import ConfigError, ModelConfig, VisionConfig
-from k3jax.model import layer_plan
+from k3jax import layout
+from k3jax.layout import layer_plan
 
 # transforms (checkpoint -> tree):
 #   copy    same array
@@ -54,11 +56,7 @@ def hf_prefixes(layout: str) -> tuple[str, str]:
 
 def layer_location(cfg: ModelConfig, layer: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Tree prefix and stacked index of 0-based decoder layer `layer`."""
-    plan = layer_plan(cfg)
-    off = layer - plan.group_start
-    if plan.n_groups and 0 <= off < plan.n_groups * plan.group_size:
-        return ("groups", f"sub_{off % plan.group_size}"), (off // plan.group_size,)
-    return (f"layers_{layer}",), ()
+    return layout.layer_location(layer_plan(cfg), layer)
 
 
 def _linear(hf_base, path, index):
@@ -165,21 +163,11 @@ def stored_shape(entry: TensorEntry, slot_shape: tuple[int, ...], cfg: ModelConf
 
 
 # ---------------------------------------------------------------------------------------
-# Vision tower and projector (SPEC §6/§7). Their param tree lives with the vision model;
-# converters carry these tensors verbatim, so the map here is names only.
+# Vision tower and projector (SPEC §6/§7): their one name list is checkpoint.vision_names.
 # ---------------------------------------------------------------------------------------
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
-VISION_BLOCK_PARTS = ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1")
 def vision_names(vision: VisionConfig | None) -> list[str]:
     """Every vision-tower and projector tensor a config implies, in checkpoint order."""
-    if vision is None:
-        return []
-    out = ["vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight"]
-    for b in range(vision.vt_num_hidden_layers):
-        out += [f"vision_tower.encoder.blocks.{b}.{part}.weight" for part in VISION_BLOCK_PARTS]
-    out.append("vision_tower.encoder.final_layernorm.weight")
-    out += ["mm_projector.proj.0.weight", "mm_projector.proj.2.weight", "mm_projector.post_norm.weight"]
-    return out
+    return [] if vision is None else [e.hf for e in vision_tensor_map(vision)]
 
 
 # Tensors the released checkpoint keeps in float32; every other float tensor is bf16.

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from k3jax.config import KDA_IMPLS, MOE_DISPATCHES
+
 
 def register(sub):
     p = sub.add_parser("forward", help="forward pass with timings: random init, or a model directory's params")
@@ -17,9 +19,9 @@ def register(sub):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk"])
-    p.add_argument("--moe-dispatch", default=None, choices=["dense", "ragged", "ep"],
-                   help="default: 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
+    p.add_argument("--kda-impl", default="auto", choices=KDA_IMPLS)
+    p.add_argument("--moe-dispatch", default="auto", choices=MOE_DISPATCHES,
+                   help="default 'auto': 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
                         "dequantized tile by tile inside the expert matmuls")
@@ -35,13 +37,14 @@ def run(args) -> int:
 
     from k3jax.checkpoint.load import is_model_dir, load_model_dir
     from k3jax.config import load
-    from k3jax.model import forward, init_params, layer_plan
+    from k3jax.layout import layer_plan
+    from k3jax.model import forward, init_params
 
     mesh = rules = None
     if args.mesh is not None:
         from k3jax import sharding
         mesh, rules = sharding.load_mesh(args.mesh)
-    dispatch = args.moe_dispatch or ("ep" if mesh is not None and mesh.shape["expert"] > 1 else "ragged")
+    dispatch = args.moe_dispatch
     from_dir = is_model_dir(args.config)
     runtime = {"kda_impl": args.kda_impl, "moe_dispatch": dispatch, "expert_format": args.expert_format}
     if from_dir:
@@ -56,7 +59,8 @@ def run(args) -> int:
              else f"devices: {jax.devices()[0].platform} x{jax.device_count()}")
     print(f"config {args.config}: {cfg.num_hidden_layers} layers ({cfg.layer_kinds.count('kda')} KDA, "
           f"{cfg.layer_kinds.count('mla')} MLA), {len(plan.head)} unrolled + {plan.n_groups} scanned groups "
-          f"of {plan.group_size} + {len(plan.tail)} unrolled; {where}; moe dispatch {dispatch}", flush=True)
+          f"of {plan.group_size} + {len(plan.tail)} unrolled; {where}; moe dispatch "
+          f"{_effective_dispatch(cfg, mesh, rules)}", flush=True)
     if dispatch == "ep" and (mesh is None or mesh.shape["expert"] == 1):
         print("note: 'ep' without a mesh expert axis > 1 runs as 'ragged'", flush=True)
     tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (args.batch, args.seq), dtype=np.int32)
@@ -88,3 +92,14 @@ def run(args) -> int:
           f"({args.batch * args.seq / step:,.0f} tokens/s); logits {tuple(logits.shape)}, "
           f"finite={bool(np.isfinite(np.asarray(logits)).all())}")
     return 0
+
+
+def _effective_dispatch(cfg, mesh, rules) -> str:
+    """'ep (auto)': the dispatch the model runs under this mesh, and what was asked for."""
+    from k3jax import sharding
+    from k3jax.ops.moe_dispatch import dispatch_name
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(sharding.use_mesh(mesh, rules))
+        name = dispatch_name(cfg)
+    return name if name == cfg.runtime.moe_dispatch else f"{name} ({cfg.runtime.moe_dispatch})"

@@ -109,8 +109,6 @@ def run(args) -> int:
     k3, params = load(args.model_dir, args.dtype, shardings, vision=bool(args.image or (chat and chat[2])),
                       expert_format=args.expert_format)
     cfg = k3.text
-    if mesh is not None and dict(mesh.shape).get("expert", 1) > 1:
-        cfg = cfg.with_runtime(moe_dispatch="ep")
     if chat is not None:
         with contextlib.ExitStack() as scope:
             if mesh is not None:

@@ -6,6 +6,8 @@ image's feature rows (or already expanded); the logits are those of the expanded
 """
 from __future__ import annotations
 
+from k3jax.config import KDA_IMPLS
+
 
 def register(sub):
     p = sub.add_parser("logits", help="fp32 logits of a forward pass from an HF or Orbax checkpoint")
@@ -17,7 +19,7 @@ def register(sub):
                    help="image files, one per <|media_pad|> in the tokens (row-major over the batch)")
     p.add_argument("--pixels", help="instead of --image: float .npy [num_patches, 3, P, P], reference layout")
     p.add_argument("--grids", help="with --pixels: int .npy [num_images, 3] (t, h, w) in patches")
-    p.add_argument("--kda-impl", default="chunk", choices=["recurrent", "chunk", "assoc", "pallas"])
+    p.add_argument("--kda-impl", default="auto", choices=KDA_IMPLS)
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
                         "dequantized tile by tile inside the expert matmuls")
@@ -70,7 +72,7 @@ def run(args) -> int:
         # restored straight onto the mesh: no host ever holds the whole tree (Orbax input)
         k3, params = load_model_dir(args.dir, runtime, lambda c: sharding.param_shardings(c, mesh, rules),
                                     vision=images is not None)
-        cfg = k3.text.with_runtime(moe_dispatch="ep") if dict(mesh.shape).get("expert", 1) > 1 else k3.text
+        cfg = k3.text
         with sharding.use_mesh(mesh, rules):
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
             spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype
-from k3jax.model import layer_plan
+from k3jax.layout import GROUPS, layer_plan, slot_name, stacked_axes, unrolled_name
 
 
 class Cache(NamedTuple):
@@ -49,10 +49,10 @@ def _layer_cache(cfg: ModelConfig, kind: str, batch: int, max_len: int, lead: tu
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     """An empty cache for `batch` sequences of up to `max_len` tokens (MLA buffers)."""
     plan = layer_plan(cfg)
-    layers = {f"layers_{i}": _layer_cache(cfg, cfg.layer_kinds[i], batch, max_len, ())
+    layers = {unrolled_name(i): _layer_cache(cfg, cfg.layer_kinds[i], batch, max_len, ())
               for i in plan.head + plan.tail}
     if plan.n_groups:
-        layers["groups"] = {f"sub_{j}": _layer_cache(cfg, kind, batch, max_len, (plan.n_groups,))
+        layers[GROUPS] = {slot_name(j): _layer_cache(cfg, kind, batch, max_len, (plan.n_groups,))
                             for j, (kind, _) in enumerate(plan.group)}
     return Cache(layers, jnp.zeros((batch,), jnp.int32))
 
@@ -94,8 +94,7 @@ def copy_cache(cache: Cache) -> Cache:
 def select_rows(cache: Cache, rows) -> Cache:
     """The cache of the given batch rows (e.g. to save one sequence's prefix)."""
     rows = jnp.asarray(rows)
-    plan_axis = lambda path: 1 if any(getattr(k, "key", None) == "groups" for k in path) else 0  # noqa: E731
-    layers = jax.tree_util.tree_map_with_path(lambda p, x: jnp.take(x, rows, axis=plan_axis(p)), cache.layers)
+    layers = jax.tree_util.tree_map_with_path(lambda p, x: jnp.take(x, rows, axis=stacked_axes(p)), cache.layers)
     return Cache(layers, cache.lengths[rows])
 
 

@@ -13,6 +13,8 @@ Implementations (all compute in fp32 and agree to the tolerances in DESIGN.md):
                scan of the per-chunk affine maps (kda_assoc.py): logarithmic depth.
   "pallas"     Pallas kernels for the chunk terms and the state recurrence, forward and
                backward (pallas_kernels/kda); interpreted on CPU.
+  "auto"       (the default) `resolve_impl`: the fastest of these measured for the
+               backend and shape (benchmarks/kda.py).
 Context parallelism over a mesh axis is `kda_context.context_parallel_kda`.
 `kda_step` is the one-token decode update of the same recurrence.
 """
@@ -25,8 +27,31 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops import kda_assoc, kda_chunk
+from k3jax.ops.platform import target_backend
 
-IMPLS = ("recurrent", "chunk", "assoc", "pallas")
+IMPLS = ("auto", "recurrent", "chunk", "assoc", "pallas")
+# "auto" on CPU: the per-token scan while a head's state is small and sequences short (its
+# per-step cost is K·V multiply-adds with no chunk matmuls to amortise), else "chunk". On
+# this 2-core host, `benchmarks/kda.py --T 128 512 2048 --B 4 --H 4 --K K --C 64 --impls
+# recurrent chunk --grad --no-fla --cpu-devices 1`, chunk's speed over recurrent's:
+#   K = 16: forward 0.27-0.45x, forward+backward 0.72x (T 128), 0.93x (512), 1.19x (2048)
+#   K = 32: forward 0.57-0.66x, forward+backward 2.35-3.32x
+#   K = 64: forward 0.88x (128), 1.45-1.54x (512+), forward+backward 4.5-7.4x
+# Training (forward+backward) decides: recurrent only where it wins that too.
+CPU_RECURRENT_MAX_K = 16
+CPU_RECURRENT_MAX_T = 512
+
+
+def resolve_impl(impl: str, T: int, K: int) -> str:
+    """The impl "auto" stands for at sequence length T and head dim K, for the backend
+    being traced for (`ops.platform.target_backend`): "chunk" on TPU and GPU (the Pallas
+    kernels have not yet been timed on a device), on CPU "recurrent" for small heads on
+    short sequences and "chunk" otherwise. Any other name is returned as it is."""
+    if impl != "auto":
+        return impl
+    if target_backend() != "cpu":
+        return "chunk"
+    return "recurrent" if K <= CPU_RECURRENT_MAX_K and T <= CPU_RECURRENT_MAX_T else "chunk"
 
 _PREC = jax.lax.Precision.HIGHEST
 
@@ -93,7 +118,7 @@ def kda(
     initial_state=None,
     output_final_state=False,
     segment_ids=None,
-    impl="chunk",
+    impl="auto",
     chunk_size=64,
     gate_lower_bound=None,
 ):
@@ -109,7 +134,7 @@ def kda(
       output_final_state: also return the state after the last token.
       segment_ids: [B, T] int, packed documents; the state restarts from zero wherever
         the id differs from the previous token's.
-      impl: "recurrent" (oracle), "chunk", "assoc" or "pallas".
+      impl: "auto" (`resolve_impl`), "recurrent" (oracle), "chunk", "assoc" or "pallas".
       chunk_size: tokens per chunk for the chunked impls; T need not be a multiple of it.
         "pallas" needs a power of two >= 16 here; it runs other head dims zero-padded
         to the next power of two >= 16 (exact, at the padded size's cost).
@@ -124,6 +149,7 @@ def kda(
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
     """
     out_dtype = v.dtype
+    impl = resolve_impl(impl, q.shape[1], q.shape[-1]) if q.ndim == 4 else impl
     (q, k, v, g, beta), h0, reset, scale = prepare(q, k, v, g, beta, scale, initial_state,
                                                    segment_ids, impl, chunk_size, gate_lower_bound)
     o, h = run_impl(impl, q, k, v, g, beta, h0, reset, scale, chunk_size,

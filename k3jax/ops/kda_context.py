@@ -31,7 +31,7 @@ def context_parallel_kda(
     initial_state=None,
     output_final_state=False,
     segment_ids=None,
-    impl="chunk",
+    impl="auto",
     chunk_size=64,
     gate_lower_bound=None,
 ):
@@ -54,6 +54,7 @@ def context_parallel_kda(
          this device's true incoming state.
     """
     out_dtype = v.dtype
+    impl = kda_mod.resolve_impl(impl, q.shape[1], q.shape[-1])   # the local slice's length
     # reset never marks the local t = 0 ...
     (q, k, v, g, beta), h0, reset, scale = kda_mod.prepare(q, k, v, g, beta, scale, initial_state,
                                                            segment_ids, impl, chunk_size,
@@ -98,7 +99,7 @@ def context_parallel_kda(
 
 
 def sharded_kda(q, k, v, g, beta, *, spec, mesh=None, segment_ids=None, initial_state=None,
-                output_final_state=False, impl="chunk", **kwargs):
+                output_final_state=False, impl="auto", **kwargs):
     """`k3jax.ops.kda.kda` over a device mesh, each device on its own slice.
 
     spec = P(batch, length, heads): the mesh axes (or None) each of q's first three dims is
@@ -114,6 +115,7 @@ def sharded_kda(q, k, v, g, beta, *, spec, mesh=None, segment_ids=None, initial_
     (o split like v, final state or None).
     """
     batch, length, heads = (tuple(spec) + (None,) * 3)[:3]
+    impl = kda_mod.resolve_impl(impl, q.shape[1], q.shape[-1])   # one choice for every device
     per_head, per_state = P(batch, length, heads), P(batch, heads)  # [B, T, H, ·], [B, H, ·]
 
     def local(q, k, v, g, beta, segment_ids, initial_state):

@@ -23,9 +23,12 @@ start), sample_prompt, sample_tokens.
              freeze (globs on param paths, e.g. '*/w[123]', or 're:REGEX')
   balance:   enabled, method ('auto' | 'exact' | 'hist'), bins, sweeps,
              exact_max_elements (auto picks exact while tokens·experts is at most this)
-  runtime:   dtype, param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, moe_dispatch,
+  runtime:   k3jax.config.RuntimeOptions, every field but lora, with its defaults: dtype,
+             param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, kda_chunk_size,
+             moe_dispatch ('auto' = 'ep' on a mesh with an expert axis), ep_exchange,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
              pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
+             ep_buffer_mib, attention_q_block, scan_layers,
              expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
              targets (globs; null = k3jax.lora.DEFAULT_TARGETS), optimizer ('adamw' |
@@ -42,15 +45,18 @@ leave the output directory. Adding a key is one line in each table.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import re
 
 import yaml
 
-from k3jax.config import (DTYPES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES, MOE_DISPATCHES, REMAT_POLICIES,
-                          ConfigError)
+from k3jax.config import (DTYPES, EP_EXCHANGES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES, MOE_DISPATCHES,
+                          REMAT_POLICIES, ConfigError, RuntimeOptions)
 
 SCHEDULES = ("cosine", "constant")
+RUNTIME_DEFAULTS = {f.name: getattr(RuntimeOptions(), f.name) for f in dataclasses.fields(RuntimeOptions)
+                    if f.name != "lora"}
 
 DEFAULTS = {
     "steps": 100, "seed": 0, "output_dir": "runs", "run_name": "run", "init_from": None,
@@ -66,9 +72,8 @@ DEFAULTS = {
                   "kv_b_mode": "split", "muon_scaling": "block", "freeze": []},
     "balance": {"enabled": True, "method": "auto", "bins": 1000, "sweeps": 6,
                 "exact_max_elements": 1 << 22},
-    "runtime": {"dtype": "float32", "param_dtype": "float32", "remat": "none",
-                "kda_impl": "chunk", "moe_dispatch": "ragged", "ep_capacity_factor": 0.0,
-                "expert_format": "bf16"},
+    # RuntimeOptions' own fields and defaults (every one but `lora`, which is its own section)
+    "runtime": RUNTIME_DEFAULTS,
     "lora": {"rank": 0, "alpha": None, "expert_rank": None, "expert_mode": "per_expert",
              "targets": None, "optimizer": "adamw", "lr": None},
 }
@@ -208,8 +213,10 @@ SCHEMA = {
     "balance": {"enabled": _bool, "method": _one_of("auto", "exact", "hist"), "bins": _int(2),
                 "sweeps": _int(1), "exact_max_elements": _int(1)},
     "runtime": {"dtype": _one_of(*DTYPES), "param_dtype": _one_of(*DTYPES), "remat": _one_of(*REMAT_POLICIES),
-                "kda_impl": _one_of(*KDA_IMPLS), "moe_dispatch": _one_of(*MOE_DISPATCHES),
-                "ep_capacity_factor": _float(0), "expert_format": _one_of(*EXPERT_FORMATS)},
+                "kda_impl": _one_of(*KDA_IMPLS), "kda_chunk_size": _int(1), "moe_dispatch": _one_of(*MOE_DISPATCHES),
+                "ep_exchange": _one_of(*EP_EXCHANGES), "ep_capacity_factor": _float(0),
+                "ep_buffer_mib": _float(0), "attention_q_block": _int(0), "scan_layers": _bool,
+                "expert_format": _one_of(*EXPERT_FORMATS)},
     # k3jax.lora.resolve checks what needs the model (targets that match nothing, ...)
     "lora": {"rank": _int(0), "alpha": _optional(_float(above=0)), "expert_rank": _optional(_int(1)),
              "expert_mode": _one_of(*LORA_EXPERT_MODES), "targets": _optional(_list_of(_str())),

@@ -198,13 +198,10 @@ def accum_batch_sharding(mesh):
     return NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))
 
 
-def run_model_config(k3, tc: dict, mesh=None):
-    """The model config a run trains: the train config's runtime options, 'ep' expert
-    dispatch when the mesh has an expert axis (experts live on it), and the `lora:` section."""
-    cfg = k3.text.with_runtime(**tc["runtime"])
-    if mesh is not None and dict(mesh[0].shape).get("expert", 1) > 1:
-        cfg = cfg.with_runtime(moe_dispatch="ep")
-    return _with_lora(cfg, tc)
+def run_model_config(k3, tc: dict):
+    """The model config a run trains: the train config's runtime options and its `lora:`
+    section ('auto' MoE dispatch picks 'ep' under a mesh with an expert axis)."""
+    return _with_lora(k3.text.with_runtime(**tc["runtime"]), tc)
 
 
 def _with_lora(cfg, tc):
@@ -272,7 +269,7 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     main = jax.process_index() == 0       # multi-host: one process logs and writes run files
     say = log                             # what every process reports (its preemption save)
     log = log if main else (lambda *_: None)
-    cfg = run_model_config(k3, tc, mesh)
+    cfg = run_model_config(k3, tc)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     _preflight(cfg, tc)
     rundir.make_dirs(run_dir)
@@ -376,8 +373,10 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
                                      for k, v in b.items()}
         state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
-        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
-            f"moe dispatch {cfg.runtime.moe_dispatch}")
+        from k3jax.ops.moe_dispatch import dispatch_name
+        dispatch = dispatch_name(cfg)       # run() holds the mesh as the context mesh
+        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); moe dispatch {dispatch}"
+            + (f" ({cfg.runtime.moe_dispatch})" if dispatch != cfg.runtime.moe_dispatch else ""))
 
     if main:   # under the lock, before any process saves
         rundir.remove_unfinished_checkpoints(f"{run_dir}/{RUN_CHECKPOINTS}", log)

@@ -40,8 +40,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.contrib._muon import scale_by_shape
 
 from k3jax.config import ModelConfig
-from k3jax.layout import is_scanned
-from k3jax.model import layer_plan
+from k3jax.layout import attention_kind, is_scanned, stacked_axes
 
 MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
 GROUPS = MUON_GROUPS + ("adamw", "adamw_nodecay", "router_bias", "frozen", "lora")
@@ -53,15 +52,6 @@ _BLOCK_DIMS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
 def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _layer_kind(cfg: ModelConfig, parts: list[str]) -> str | None:
-    """'kda' / 'mla' for a param inside a decoder layer, from `layers_{i}` or `groups/sub_{j}`."""
-    if parts[0].startswith("layers_"):
-        return cfg.layer_kinds[int(parts[0][len("layers_"):])]
-    if parts[0] == "groups" and len(parts) > 1 and parts[1].startswith("sub_"):
-        return layer_plan(cfg).group[int(parts[1][len("sub_"):])][0]
-    return None
 
 
 def _frozen_by(path: str, freeze) -> bool:
@@ -86,12 +76,12 @@ def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=(), dty
         return "adamw"
     if name.endswith("_conv1d"):
         return "adamw"
-    stacked = 1 if parts[0] == "groups" else 0
+    stacked = stacked_axes(parts)
     if len(shape) - stacked < 2 or name in ("A_log", "dt_bias") or "norm" in name or name.endswith("_res"):
         return "adamw_nodecay"
     if name in ("w1", "w2", "w3") and "block_sparse_moe" in parts:
         return "muon_expert"
-    kind = _layer_kind(cfg, parts)
+    kind = attention_kind(cfg, parts)
     if kind == "kda" and name in ("q_proj", "k_proj", "v_proj"):
         return "muon_head"
     if kind == "mla" and name in ("q_b_proj", "q_proj"):
@@ -119,7 +109,7 @@ def trained_mask(groups):
 # ---------------------------------------------------------------------------------------
 def _head_dim(cfg: ModelConfig, path: str) -> tuple[int, int]:
     parts = path.split("/")
-    if _layer_kind(cfg, parts) == "kda":
+    if attention_kind(cfg, parts) == "kda":
         return cfg.kda_num_heads, cfg.kda_head_dim
     return cfg.num_attention_heads, cfg.q_head_dim
 

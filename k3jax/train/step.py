@@ -30,7 +30,7 @@ import optax
 from flax import struct
 
 from k3jax.config import ConfigError, ModelConfig, VisionConfig
-from k3jax.layers.moe import drops_pairs
+from k3jax.ops.moe_dispatch import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.model import InputError, K3Model, variables_of
 from k3jax.train import balancing

@@ -15,6 +15,7 @@ import numpy as np
 
 from k3jax.errors import InputError
 from k3jax.layers.vision import VisionInputError
+from k3jax.ops.splice import splice_rows
 
 
 def feature_rows(tokens, media_pad_id: int, valid=None):
@@ -53,8 +54,7 @@ def merge_image_features(token_embeddings, tokens, features, media_pad_id: int):
     if features.shape[0] == 0:
         return emb
     rows = jnp.minimum(jnp.asarray(feature_rows(tokens, media_pad_id)), features.shape[0] - 1)
-    picked = jnp.take(jnp.asarray(features).astype(emb.dtype), jnp.maximum(rows, 0), axis=0)
-    return jnp.where((rows >= 0)[..., None], picked, emb)
+    return splice_rows(emb, jnp.asarray(features), rows)
 
 
 def check_media_rows(tokens, pad_id: int, n_rows: int, valid=None) -> None:

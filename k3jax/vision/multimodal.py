@@ -30,7 +30,7 @@ from k3jax.layers.vision import (Grid, KimiVision, check_grids, check_pixels, in
                                  rows_per_image)
 from k3jax.model import InputError, K3Model, init_params, validate_inputs, variables_of
 from k3jax.vision.merge import check_media_rows, feature_rows
-from k3jax.vision.preprocess import MEDIA_PAD_TOKEN_ID
+from k3jax.vision.preprocess import MEDIA_PAD_TOKEN_ID, expand_media_pads
 
 VISION_KEY = "vision"
 
@@ -98,9 +98,7 @@ def expand_prompts(prompts: Sequence[Sequence[int]], rows: Sequence[int], pad_id
                          f"given, which need one pad each (or {sum(rows)} pads already expanded)")
     out, i = [], 0
     for p, c in zip(prompts, counts):
-        r = np.ones(len(p), np.int64)
-        r[p == pad_id] = rows[i:i + c]
-        out.append(np.repeat(p, r))
+        out.append(expand_media_pads(p, rows[i:i + c], pad_id))
         i += c
     return out
 

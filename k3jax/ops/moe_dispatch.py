@@ -1,0 +1,344 @@
+"""Routed-expert dispatch (SPEC.md §5): the (token, expert) pairs to the expert FFNs and
+back, combined in fp32. The router and the module around it are in k3jax.layers.moe.
+
+`dense` runs every expert on every token (an einsum; small and obviously right, the CPU
+oracle); `ragged` sorts the pairs by expert and runs one grouped matmul per weight
+(`k3jax.ops.grouped_matmul`: `ragged_dot` on TPU/GPU, row tiles on CPU) — dropless, each
+device on its own tokens under a mesh; `ep` sends each pair to the device that owns its
+expert and runs the grouped matmuls there, dropless by default or with a receive capacity
+(`RuntimeOptions.ep_capacity_factor`); `gather` (decode) reads only the experts the step's
+few tokens chose. `auto` (the default) is `ep` where the context mesh has an expert axis,
+else `ragged`: the one place that rule lives.
+
+Every dispatch takes (cfg, act, z, idx, w, weights, adapters): `act(gate, up)` is the
+expert FFN's GLU activation, z [N, H] the latent tokens, idx/w [N, k] the routing.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from k3jax.config import ConfigError, ModelConfig
+from k3jax.mesh import active_mesh_axes
+from k3jax.ops.experts import adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits, weight_spec
+from k3jax.ops.moe_gather import gather_local
+from k3jax.ops.platform import target_backend
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# The three routed-expert weights; w1/w3 map latent -> hidden, w2 hidden -> latent.
+ROLES = ("w1", "w2", "w3")
+_HIDDEN_IS_OUT = {"w1": True, "w3": True, "w2": False}
+
+
+def token_axes() -> tuple[str, ...]:
+    """Mesh axes (size > 1) the MoE splits tokens over: those the active rules give
+    (batch, length), so tokens enter where the model already keeps them. Never `tensor`:
+    tensor shards share tokens and split the expert hidden."""
+    return tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
+
+
+
+def _scale(cfg: ModelConfig, role: str) -> float:
+    return cfg.runtime.lora.scale_of(f"block_sparse_moe/{role}")
+
+
+def experts_dense(cfg: ModelConfig, act, z, idx, w, weights, adapters):
+    """Every expert on every token, combined with a [N, E] weight matrix (zero off top-k).
+    MXFP4 stacks are widened whole here: this is the small-config oracle."""
+    ws = {r: dense_weight(weights[r], z.dtype) for r in ROLES}
+    for r, ad in adapters.items():
+        ws[r] = ws[r] + dense_adapter_delta(ad, _scale(cfg, r), z.dtype)
+    comb = jnp.sum(jax.nn.one_hot(idx, ws["w1"].shape[0], dtype=jnp.float32) * w[..., None], axis=1)
+    g = jnp.einsum("nd,edf->nef", z, ws["w1"])
+    u = jnp.einsum("nd,edf->nef", z, ws["w3"])
+    out = jnp.einsum("nef,efd->ned", act(g, u), ws["w2"])
+    return jnp.einsum("ne,ned->nd", comb, out.astype(jnp.float32), precision=HIGHEST)
+
+
+def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters):
+    """The expert FFN on rows sorted by expert."""
+    mm = lambda x, r: expert_matmul(x, weights[r], sizes, adapters.get(r),  # noqa: E731
+                                    _scale(cfg, r) if r in adapters else 0.0)
+    return mm(act(mm(rows, "w1"), mm(rows, "w3")), "w2")
+
+
+def _num_experts(weights) -> int:
+    return jax.tree.leaves(weights["w1"])[0].shape[0]
+
+
+def _specs(weights, adapters, expert, tensor):
+    return ({r: weight_spec(weights[r], expert, tensor, _HIDDEN_IS_OUT[r]) for r in ROLES},
+            {r: adapter_spec(ad, expert, tensor, _HIDDEN_IS_OUT[r]) for r, ad in adapters.items()})
+
+
+def _ragged_local(cfg: ModelConfig, act, tensor: str | None, z, idx, w, weights, adapters):
+    """Sort (token, slot) pairs by expert, grouped matmuls, unsort, fp32 combine. Token
+    ids >= E (padding) sort last, count for no expert and come out zero. With the expert
+    hidden split over `tensor`, each shard's w2 product is partial: summed there."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = z[order // k]
+    sizes = jnp.bincount(flat, length=_num_experts(weights)).astype(jnp.int32)
+    out = _ffn(cfg, act, rows, sizes, weights, adapters)
+    unsorted = jnp.zeros_like(out).at[order].set(out)
+    y = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
+    return jax.lax.psum(y, tensor) if tensor else y
+
+
+def _tensor_axis(sizes: dict, weights) -> str | None:
+    """`tensor` where it splits every expert weight's hidden evenly, else None (replicated)."""
+    t = sizes.get("tensor", 1)
+    ok = t > 1 and all(hidden_splits(weights[r], _HIDDEN_IS_OUT[r], t) for r in ROLES)
+    return "tensor" if ok else None
+
+
+def _split_tokens(z, idx, w, shards: int, num_experts: int):
+    """Tokens padded to a multiple of `shards`; padded tokens route nowhere (expert id E)
+    and carry weight 0. Returns (z, idx, w, n) with n the real token count."""
+    n = z.shape[0]
+    pad = -n % shards
+    if pad:
+        z = jnp.pad(z, ((0, pad), (0, 0)))
+        idx = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=num_experts)
+        w = jnp.pad(w, ((0, pad), (0, 0)))
+    return z, idx, w, n
+
+
+def experts_ragged(cfg: ModelConfig, act, z, idx, w, weights, adapters):
+    """Dropless grouped matmuls over every expert. Under a mesh each device sorts and runs
+    its own tokens (a shard_map over the token axes, every expert's weights on every
+    device, their hidden split over `tensor`): left to XLA's partitioner, the sort
+    gathered every token's routing onto every device, which then ran the whole batch's
+    expert matmuls."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    tok, tensor = token_axes(), _tensor_axis(sizes, weights)
+    if not tok and not tensor:
+        return _ragged_local(cfg, act, None, z, idx, w, weights, adapters)
+    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[a] for a in tok), _num_experts(weights))
+    ts = PartitionSpec(tok or None)
+    fn = jax.shard_map(functools.partial(_ragged_local, cfg, act, tensor),
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, None, tensor)), out_specs=ts)
+    return fn(z, idx, w, weights, adapters)[:n]
+
+
+# ---------------------------------------------------------------------------------------
+# Expert parallelism
+# ---------------------------------------------------------------------------------------
+# Dropless means the receive buffer is sized for the worst case: one device may receive
+# every peer's pairs, P × its own m = n·k. With `ep_capacity_factor` c > 0 it holds
+# R = ceil(c·m) rows instead: senders are packed in device order, and pairs past R are
+# dropped (their expert output is 0), the tail of the later senders' blocks first. Under
+# Quantile Balancing each device receives about m, so c ≈ 1.25 rarely drops anything.
+# The padded exchange moves P × m rows either way (CPU); ragged_all_to_all moves only the
+# real rows. `RuntimeOptions.ep_exchange` 'auto' picks ragged where XLA implements it (TPU,
+# GPU), padded on CPU; 'padded' | 'ragged' | 'emulated' force one ('emulated' = the ragged
+# bookkeeping run through a padded all_to_all, so CPU tests can check it).
+
+
+def ep_receive_rows(sent, expert_shards: int, factor: float):
+    """Rows of a device's 'ep' receive buffer when each device sends `sent` pairs: every
+    peer's pairs (dropless, factor 0), else ceil(factor · sent), never more than dropless."""
+    if not factor:
+        return expert_shards * sent
+    return min(expert_shards * sent, max(1, math.ceil(factor * sent)))
+
+
+def dispatch_name(cfg: ModelConfig) -> str:
+    """The dispatch this config runs under the context mesh (read while tracing): 'auto' is
+    'ep' where the mesh has an expert axis (the experts live on it), else 'ragged'."""
+    name = cfg.runtime.moe_dispatch
+    if name != "auto":
+        return name
+    mesh = jax.sharding.get_abstract_mesh()
+    return "ep" if not mesh.empty and dict(mesh.shape).get("expert", 1) > 1 else "ragged"
+
+
+def drops_pairs(cfg: ModelConfig) -> bool:
+    """Whether this config's MoE may drop pairs (an 'ep' receive capacity is set)."""
+    return dispatch_name(cfg) == "ep" and bool(cfg.runtime.ep_capacity_factor)
+
+
+def _a2a_mode(cfg: ModelConfig) -> str:
+    if cfg.runtime.ep_exchange != "auto":
+        return cfg.runtime.ep_exchange
+    return "ragged" if target_backend() in ("tpu", "gpu") else "padded"
+
+
+def _emulated_ragged_a2a(operand, output, in_off, send, out_off, recv, axis: str):
+    """`lax.ragged_all_to_all`'s documented semantics with a padded all_to_all."""
+    n = operand.shape[0]
+    P = in_off.shape[0]
+    rows = jnp.arange(n)
+    blocks = jnp.stack([jnp.take(operand, jnp.clip(in_off[p] + rows, 0, n - 1), axis=0) for p in range(P)])
+    blocks = jax.lax.all_to_all(blocks, axis, 0, 0)                       # [P(source), n, ...]
+    where = jax.lax.all_to_all(out_off, axis, 0, 0, tiled=True)           # sender's offset for me
+    for p in range(P):
+        tgt = jnp.where(rows < recv[p], where[p] + rows, output.shape[0])  # out of range → dropped
+        output = output.at[tgt].set(blocks[p], mode="drop")
+    return output
+
+
+def _ragged_a2a(mode: str):
+    if mode == "ragged":  # its axis_name is keyword-only
+        return lambda *args: jax.lax.ragged_all_to_all(*args[:6], axis_name=args[6])
+    return _emulated_ragged_a2a
+
+
+def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cfg: ModelConfig) -> int:
+    """Chunks a device's `n` tokens go through the 'ep' exchange in, one after the other, so
+    that a chunk's receive buffer ([rows, hidden], `ep_receive_rows`) stays within
+    `RuntimeOptions.ep_buffer_mib`: dropless sizing is worst-case (every peer's pairs on
+    one device), P x the mean, and the expert FFN's intermediates scale with it."""
+    budget = cfg.runtime.ep_buffer_mib * (1 << 20)
+    factor = cfg.runtime.ep_capacity_factor
+
+    def fits(m: int) -> bool:
+        return ep_receive_rows(m * k, expert_shards, factor) * hidden * itemsize <= budget
+
+    if not budget or fits(n):
+        return 1
+    # the most tokens a chunk may hold; chunks are then evened out, never above it
+    per_token = ep_receive_rows(k, expert_shards, 0.0 if not factor else factor) * hidden * itemsize
+    m = max(1, min(n, int(budget // per_token)))
+    while m > 1 and not fits(m):
+        m -= 1
+    return -(-n // m)
+
+
+def _ep_local(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w, weights, adapters):
+    """One device's part: its tokens `z` [n, H], its experts' weights [E/P, ...], in
+    `ep_chunks` chunks of tokens (each rematerialised, so only one chunk's buffers are live
+    in the backward too); padding tokens route nowhere (expert id E)."""
+    n, k = idx.shape
+    P = jax.lax.axis_size("expert")
+    C = ep_chunks(n, k, P, z.shape[-1], z.dtype.itemsize, cfg)
+    exchange = functools.partial(_ep_exchange, cfg, act, mode, tensor, weights=weights, adapters=adapters)
+    if C == 1:
+        return exchange(z, idx, w)
+    z, idx, w, _ = _split_tokens(z, idx, w, C, P * _num_experts(weights))
+    y, dropped = jax.lax.map(jax.checkpoint(lambda a: exchange(*a)),
+                             (z.reshape(C, -1, z.shape[-1]), idx.reshape(C, -1, k), w.reshape(C, -1, k)))
+    return y.reshape(-1, y.shape[-1])[:n], jnp.sum(dropped, axis=0)
+
+
+def _ep_exchange(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w, *, weights, adapters):
+    """One exchange: tokens `z` [n, H] to the experts' devices and back."""
+    n, k = idx.shape
+    m, H = n * k, z.shape[-1]
+    P = jax.lax.axis_size("expert")
+    El = _num_experts(weights)                          # experts on this device
+    R = ep_receive_rows(m, P, cfg.runtime.ep_capacity_factor)
+
+    # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El);
+    #    padding tokens carry expert id P·El: sorted last, sent nowhere (bincount drops them)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    rows = z[order // k]
+    dest = e_sorted // El
+    counts = jnp.bincount(dest, length=P).astype(jnp.int32)
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+    local_e = (e_sorted % El).astype(jnp.int32)
+
+    # 2. exchange into the [R] receive buffer: sender p's first `accepted[p]` rows land at
+    #    offset[p] (senders packed in device order); unused rows carry local expert id El
+    recv_counts = jax.lax.all_to_all(counts, "expert", 0, 0, tiled=True)   # what each peer sends me
+    offset = jnp.minimum(jnp.cumsum(recv_counts) - recv_counts, R).astype(jnp.int32)
+    accepted = jnp.clip(R - offset, 0, recv_counts).astype(jnp.int32)
+    sent = jax.lax.all_to_all(accepted, "expert", 0, 0, tiled=True)       # how many of mine each kept
+    if mode == "padded":
+        pos = jnp.arange(m) - starts[dest]
+        send = jnp.zeros((P, m, H), z.dtype).at[dest, pos].set(rows, mode="drop")
+        send_e = jnp.full((P, m), El, jnp.int32).at[dest, pos].set(local_e, mode="drop")
+        j = jnp.arange(m)[None, :]
+        slot = jnp.where(j < accepted[:, None], offset[:, None] + j, R).reshape(P * m)  # R: dropped
+        recv = jnp.zeros((R, H), z.dtype).at[slot].set(
+            jax.lax.all_to_all(send, "expert", 0, 0).reshape(P * m, H), mode="drop")
+        recv_e = jnp.full((R,), El, jnp.int32).at[slot].set(
+            jax.lax.all_to_all(send_e, "expert", 0, 0).reshape(P * m), mode="drop")
+    else:
+        a2a = _ragged_a2a(mode)
+        where = jax.lax.all_to_all(offset, "expert", 0, 0, tiled=True)     # my block on each receiver
+        recv = a2a(rows, jnp.zeros((R, H), z.dtype), starts, sent, where, accepted, "expert")
+        recv_e = a2a(local_e, jnp.full((R,), El, jnp.int32), starts, sent, where, accepted, "expert")
+
+    # 3. grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros
+    order2 = jnp.argsort(recv_e, stable=True)
+    sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
+    out = _ffn(cfg, act, recv[order2], sizes, weights, adapters)
+    out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
+
+    # 4. return the results to their senders, in the sender's sorted-pair order; a dropped
+    #    pair gets zeros
+    if mode == "padded":
+        full = jnp.where((slot < R)[:, None], out[jnp.minimum(slot, R - 1)], 0).reshape(P, m, H)
+        got = jnp.where((dest < P)[:, None], jax.lax.all_to_all(full, "expert", 0, 0)[dest, pos], 0)
+    else:
+        their_starts = jax.lax.all_to_all(starts, "expert", 0, 0, tiled=True)  # where each sender wants it
+        got = _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), offset, accepted, their_starts, sent, "expert")
+    pairs = jnp.zeros_like(got).at[order].set(got).reshape(n, k, H)
+    y = jnp.einsum("nkd,nk->nd", pairs.astype(jnp.float32), w, precision=HIGHEST)
+    # with the expert hidden split over `tensor`, each shard holds a partial w2 product
+    dropped = (jnp.sum(recv_counts) - jnp.sum(accepted)).reshape(1)
+    return (jax.lax.psum(y, tensor) if tensor else y), dropped
+
+
+def experts_ep(cfg: ModelConfig, act, z, idx, w, weights, adapters, *, with_dropped: bool = False):
+    """shard_map over the context mesh: tokens split over every batch-like axis (and always
+    over `expert`), experts over `expert`, their hidden over `tensor`. Falls back to
+    `ragged` when there is no mesh or its expert axis is 1. `with_dropped`: also return
+    the number of (token, expert) pairs the receive capacity dropped (int32 scalar)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    if sizes.get("expert", 1) == 1:
+        y = experts_ragged(cfg, act, z, idx, w, weights, adapters)
+        return (y, jnp.zeros((), jnp.int32)) if with_dropped else y
+    E = _num_experts(weights)
+    if E % sizes["expert"]:
+        raise ConfigError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
+    tensor = _tensor_axis(sizes, weights)
+    # `expert` joins the token axes so that each expert shard holds different tokens.
+    tok = token_axes()
+    tok += () if "expert" in tok else ("expert",)
+    z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[b] for b in tok), E)
+    ts = PartitionSpec(tok)
+    fn = jax.shard_map(functools.partial(_ep_local, cfg, act, _a2a_mode(cfg), tensor),
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, "expert", tensor)), out_specs=(ts, ts))
+    y, dropped = fn(z, idx, w, weights, adapters)       # dropped: one count per token shard
+    return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
+
+
+def experts_gather(cfg: ModelConfig, act, z, idx, w, weights, adapters):
+    """Decode: each device reads only the experts its tokens chose (k3jax.ops.moe_gather).
+    The few tokens are replicated to every device; experts stay where they live (over
+    `expert`, their hidden over `tensor`) and one psum joins the partial outputs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    E = _num_experts(weights)
+    ex = "expert" if sizes.get("expert", 1) > 1 and E % sizes["expert"] == 0 else None
+    tensor = _tensor_axis(sizes, weights)
+    axes = tuple(a for a in (ex, tensor) if a)
+    local = functools.partial(gather_local, act,
+                              E // (sizes[ex] if ex else 1), axes, {r: _scale(cfg, r) for r in adapters})
+    if not axes:
+        return local(z, idx, w, weights, adapters)
+    rep = PartitionSpec()
+    fn = jax.shard_map(local, in_specs=(rep, rep, rep, *_specs(weights, adapters, ex, tensor)), out_specs=rep)
+    return fn(z, idx, w, weights, adapters)
+
+
+DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep, "gather": experts_gather}
+
+
+def routed_experts(cfg: ModelConfig, act, z, idx, w, weights, adapters):
+    """(y [N, H] fp32, pairs the 'ep' capacity dropped: int32 scalar, 0 where none can be)."""
+    if drops_pairs(cfg):
+        return experts_ep(cfg, act, z, idx, w, weights, adapters, with_dropped=True)
+    return DISPATCH[dispatch_name(cfg)](cfg, act, z, idx, w, weights, adapters), None
