@@ -6,7 +6,7 @@ lowered for GPUs fails here, before a cluster is booked. Prints one line per pro
                                        [--modes train prefill decode] [--batch N] [--seq 64]
 
 Each preset runs in its own subprocess with as many fake CPU devices as the preset has GPUs
-(XLA_FLAGS=--xla_force_host_platform_device_count=N). tests/test_compile_gpu.py lowers the
+(XLA_FLAGS=--xla_force_host_platform_device_count=N). tests/aot/test_compile_gpu.py lowers the
 b300x8 steps in the test session's 8 devices; this covers the larger presets.
 """
 from __future__ import annotations

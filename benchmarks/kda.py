@@ -253,7 +253,7 @@ def main():
     print(f"gates in ({K3_GATE_LOWER_BOUND:g}, 0); impls told gate_lower_bound={lb}")
     impls = list(args.impls)
     if jax.default_backend() == "cpu":
-        print("pallas: interpret mode on CPU, correctness only (tests/test_kda_engine.py); not timed")
+        print("pallas: interpret mode on CPU, correctness only (tests/ops/test_kda_engine.py); not timed")
         impls = [i for i in impls if i != "pallas"]
     impls.sort(key=lambda i: i != "recurrent")  # the oracle first: the others' errors are against it
     fla = None if args.no_fla else load_fla_naive()

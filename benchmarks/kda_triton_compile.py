@@ -4,7 +4,7 @@ compile time, shared memory as a fraction of the GPU's limit, registers and spil
     python benchmarks/kda_triton_compile.py --triton-python /path/to/venv/bin/python \
         [--K 128] [--C 64] [--arch 90] [--num-warps 4] [--out DIR]
 
-A kernel that lowers (tests/test_kda_engine.py exports them for CUDA) can still fail on the
+A kernel that lowers (tests/ops/test_kda_engine.py exports them for CUDA) can still fail on the
 device: XLA compiles its Triton IR there, and shared memory over the GPU's limit, or a
 compile that takes many minutes, only shows then. This script finds both on a CPU machine.
 It lowers pallas_kda (forward and gradient, with and without a gate bound) for CUDA here,

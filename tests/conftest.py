@@ -1,5 +1,9 @@
 """Test session setup: 8 fake CPU devices and fp32 matmuls, fixed before JAX initialises."""
 import os
+import sys
+
+# tests/ on the path: the test packages below it import `helpers` and `reference` from here
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:

@@ -486,7 +486,7 @@ def chunk_kda(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
     chunk_terms.
 
     Forward and backward both run block by block (_blocked_forward, _blocked_backward);
-    tests/test_kda_op.py holds both to the recurrent oracle.
+    tests/ops/test_kda_op.py holds both to the recurrent oracle.
     """
     o, h, _ = _blocked_forward(q, k, v, g, beta, initial_state, reset, scale, chunk_size,
                                chunks_per_block, outputs=outputs, gate_lower_bound=gate_lower_bound)

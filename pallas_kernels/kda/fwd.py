@@ -42,7 +42,7 @@ _HI = jax.lax.Precision.HIGHEST
 # [64, 128] tiles LLVM took over 20 minutes to compile one kernel and the result spilled
 # 115 KB per thread (sm_90, Triton 3.9). TF32x3 splits each operand into TF32 high and
 # low parts and sums three tensor-core products (Triton's F32DotTC): seconds to compile,
-# and fp32-level results (tests/test_kda_engine.py emulates it on CPU).
+# and fp32-level results (tests/ops/test_kda_engine.py emulates it on CPU).
 MATMUL_PRECISION = {"interpret": _HI, "tpu": _HI,
                     "triton": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 # The traced kernel's precision, set by kernel_call while pallas_call traces it.

@@ -4,7 +4,7 @@ One helper for the pure-JAX grouped matmul (k3jax.ops.mxfp4_matmul) and for the 
 kernels beside it, which may not import k3jax.checkpoint: only integer arithmetic, selects
 and one same-width bitcast, so it lowers inside Mosaic and Triton kernels as well as in
 XLA. The values are those of k3jax.checkpoint.mxfp4.dequantize_mxfp4, bit for bit
-(tests/test_mxfp4_gmm.py checks every code under every scale byte).
+(tests/ops/test_mxfp4_gmm.py checks every code under every scale byte).
 
 A code c (bit 3 the sign, bits 0..2 an index i) is E2M1 with exponent field i >> 1 and
 mantissa bit i & 1: 0, 0.5, 1, 1.5, 2, 3, 4, 6. Its product with 2**(s - 127) is built

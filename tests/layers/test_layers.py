@@ -28,6 +28,8 @@ from k3jax.layers.norms import GatedRMSNorm, RMSNorm
 from k3jax.ops.moe_dispatch import experts_dense, experts_ragged
 
 from helpers import rel_max
+from reference import (attn_res_ref, combine_matrix, conv_silu_ref, experts_ref, glu, kda_layer_ref, mla_ref, mlp_ref,
+                       moe_ref, rmsnorm, route_ref, sigmoid, silu, situ, softmax, softplus)
 
 TOL = 1e-5
 F32, F64 = np.float32, np.float64
@@ -66,39 +68,6 @@ def jit_apply(module):
 
 def f64(tree):
     return jax.tree_util.tree_map(lambda a: np.asarray(a, F64), tree)
-
-
-def sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free
-
-
-def silu(x):
-    return x * sigmoid(x)
-
-
-def softplus(x):
-    return np.logaddexp(0.0, x)
-
-
-def softmax(s):
-    s = np.asarray(s, F64)
-    e = np.exp(s - s.max())
-    return e / e.sum()
-
-
-def rmsnorm(x, w, eps):
-    x = np.asarray(x, F64)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def situ(g, u, b1, b2):
-    return b1 * np.tanh(g / b1) * sigmoid(g) * b2 * np.tanh(u / b2)
-
-
-def glu(cfg, g, u):
-    if cfg.hidden_act == "situ":
-        return situ(g, u, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    return silu(g) * u
 
 
 def near_one(rng, shape, spread=0.5):
@@ -199,12 +168,6 @@ def test_silu_glu():
     check(out, silu(F64(g)) * F64(u), "SiLU GLU")
 
 
-def _mlp_ref(cfg, P, x):
-    g = x @ P["gate_proj"]["kernel"]
-    u = x @ P["up_proj"]["kernel"]
-    return glu(cfg, g, u) @ P["down_proj"]["kernel"], g, u
-
-
 def test_gated_mlp_situ_and_silu():
     rng = np.random.default_rng(6)
     cfg = toy()
@@ -212,33 +175,18 @@ def test_gated_mlp_situ_and_silu():
     m = GatedMLP(cfg, cfg.intermediate_size)
     params = init_params(m, x)
     P = f64(params)
-    ref, g, u = _mlp_ref(cfg, P, F64(x))
+    ref, g, u = mlp_ref(cfg, P, F64(x))
     assert np.abs(g).max() > 40 and np.abs(u).max() > 50  # both tanh caps are active
     check(jit_apply(m)(params, x), ref, "GatedMLP situ")
 
     cfg_silu = cfg.replace(hidden_act="silu")
     x = x / 30.0  # same params, the SiLU variant
-    ref, _, _ = _mlp_ref(cfg_silu, P, F64(x))
+    ref, _, _ = mlp_ref(cfg_silu, P, F64(x))
     check(jit_apply(GatedMLP(cfg_silu, cfg.intermediate_size))(params, x), ref, "GatedMLP silu")
 
 
 # ---------------------------------------------------------------------------------------
 # 3. Block Attention Residuals
-
-
-def attn_res_ref(stack, count, p, norm_w, proj_w, eps):
-    """Per token: sources [stack[:count], p], RMS-normalised keys, raw values."""
-    stack, p = np.asarray(stack, F64), np.asarray(p, F64)
-    q = F64(norm_w) * F64(proj_w)
-    _, B, T, _ = stack.shape
-    out = np.zeros_like(p)
-    for b in range(B):
-        for t in range(T):
-            V = [stack[s, b, t] for s in range(count)] + [p[b, t]]
-            score = [np.sum(q * v / np.sqrt(np.mean(v * v) + eps)) for v in V]
-            alpha = softmax(score)
-            out[b, t] = sum(a * v for a, v in zip(alpha, V))
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -351,34 +299,6 @@ def test_push_block_and_wiring():
 # 4. Gated MLA
 
 
-def mla_ref(cfg, P, x, seg):
-    H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    r = cfg.kv_lora_rank
-    B, T, _ = x.shape
-    if cfg.q_lora_rank is not None:
-        q = rmsnorm(x @ P["q_a_proj"]["kernel"], P["q_a_layernorm"]["weight"], 1e-6) @ P["q_b_proj"]["kernel"]
-    else:
-        q = x @ P["q_proj"]["kernel"]
-    q = q.reshape(B, T, H, dn + dr)
-    ckv = x @ P["kv_a_proj_with_mqa"]["kernel"]
-    c = rmsnorm(ckv[..., :r], P["kv_a_layernorm"]["weight"], 1e-6)
-    k_r = ckv[..., r:]
-    kv = (c @ P["kv_b_proj"]["kernel"]).reshape(B, T, H, dn + dv)
-    out = np.zeros((B, T, H, dv))
-    scale = (dn + dr) ** -0.5
-    for b in range(B):
-        for i in range(T):
-            js = [j for j in range(i + 1) if seg is None or seg[b, j] == seg[b, i]]
-            for h in range(H):
-                scores = [scale * q[b, i, h] @ np.concatenate([kv[b, j, h, :dn], k_r[b, j]]) for j in js]
-                alpha = softmax(scores)
-                out[b, i, h] = sum(a * kv[b, j, h, dn:] for a, j in zip(alpha, js))
-    o = out.reshape(B, T, H * dv)
-    if cfg.mla_use_output_gate:
-        o = o * sigmoid(x @ P["g_proj"]["kernel"])
-    return o @ P["o_proj"]["kernel"]
-
-
 MLA_VARIANTS = {
     "k3": lambda c: c,  # q-LoRA 32, output gate
     "kimi_linear": lambda c: c.replace(q_lora_rank=None, mla_use_output_gate=False),
@@ -414,63 +334,6 @@ def test_gated_mla(variant):
 
 # ---------------------------------------------------------------------------------------
 # 5. Kimi Delta Attention
-
-
-def conv_silu_ref(x, kernel, seg=None, tail=None):
-    """y_t = SiLU(Σ_j kernel[j] · x_{t − (W−1−j)}), zeros before a document's first token."""
-    x, kernel = np.asarray(x, F64), np.asarray(kernel, F64)
-    W = kernel.shape[0]
-    B, T, C = x.shape
-    hist = np.zeros((B, W - 1, C)) if tail is None else np.asarray(tail, F64)
-    xe = np.concatenate([hist, x], axis=1)  # xe[:, t + W - 1] = x_t
-    y = np.zeros((B, T, C))
-    for b in range(B):
-        for t in range(T):
-            for j in range(W):
-                s = t - (W - 1 - j)
-                if seg is not None and (s < 0 or seg[b, s] != seg[b, t]):
-                    continue
-                y[b, t] += kernel[j] * xe[b, s + W - 1]
-    return silu(y)
-
-
-def kda_layer_ref(cfg, P, x, seg):
-    H, K = cfg.kda_num_heads, cfg.kda_head_dim
-    B, T, _ = x.shape
-
-    def branch(name):
-        return conv_silu_ref(x @ P[f"{name}_proj"]["kernel"], P[f"{name}_conv1d"], seg).reshape(B, T, H, K)
-
-    def l2(a):
-        return a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + 1e-6)
-
-    q, k, v = l2(branch("q")), l2(branch("k")), branch("v")
-    f = (x @ P["f_a_proj"]["kernel"] @ P["f_b_proj"]["kernel"]).reshape(B, T, H, K)
-    a = np.exp(P["A_log"])[None, None, :, None]
-    z = f + P["dt_bias"].reshape(H, K)
-    if cfg.gate_lower_bound is not None:
-        g = cfg.gate_lower_bound * sigmoid(a * z)
-    else:
-        g = -a * softplus(z)
-    beta = sigmoid(x @ P["b_proj"]["kernel"])  # [B, T, H]
-
-    o = np.zeros((B, T, H, K))
-    for b in range(B):
-        for h in range(H):
-            S = np.zeros((K, K))
-            for t in range(T):
-                if seg is not None and t > 0 and seg[b, t] != seg[b, t - 1]:
-                    S = np.zeros((K, K))
-                S = np.exp(g[b, t, h])[:, None] * S
-                u = beta[b, t, h] * (v[b, t, h] - S.T @ k[b, t, h])
-                S = S + np.outer(k[b, t, h], u)
-                o[b, t, h] = S.T @ (q[b, t, h] * K ** -0.5)
-    if cfg.use_full_rank_gate:
-        gate = x @ P["g_proj"]["kernel"]
-    else:
-        gate = x @ P["g_a_proj"]["kernel"] @ P["g_b_proj"]["kernel"]
-    o = rmsnorm(o, P["o_norm"]["weight"], cfg.rms_norm_eps) * sigmoid(gate.reshape(B, T, H, K))
-    return o.reshape(B, T, H * K) @ P["o_proj"]["kernel"], g
 
 
 KDA_VARIANTS = {
@@ -552,27 +415,6 @@ def test_causal_conv_silu_reference_and_tail():
 # 6. MoE
 
 
-def route_ref(x, gate_w, bias, k, scaling):
-    s = sigmoid(np.asarray(x, F64) @ np.asarray(gate_w, F64))
-    biased = s + F64(bias)
-    order = np.argsort(-biased, axis=-1)
-    sel = order[:, :k]
-    srt = np.take_along_axis(biased, order, axis=-1)
-    margin = srt[:, k - 1] - srt[:, k] if k < s.shape[-1] else np.full(len(s), np.inf)
-    w = np.take_along_axis(s, sel, axis=-1)
-    w = w / (w.sum(-1, keepdims=True) + 1e-20) * scaling
-    return sel, w, s, margin
-
-
-def combine_matrix(idx, w, E):
-    """[N, E] with w at the selected experts: compares selections as sets."""
-    idx, w = np.asarray(idx), np.asarray(w, F64)
-    assert all(len(set(r)) == len(r) for r in idx.tolist()), "an expert selected twice"
-    m = np.zeros((idx.shape[0], E))
-    np.put_along_axis(m, idx, w, axis=-1)
-    return m
-
-
 @pytest.mark.parametrize("k,scaling", [(2, 1.0), (4, 2.446)])
 def test_route(k, scaling):
     rng = np.random.default_rng(13)
@@ -596,14 +438,6 @@ def test_route(k, scaling):
     np.testing.assert_allclose(np.asarray(w).sum(-1), scaling, rtol=1e-6)
 
 
-def experts_ref(cfg, z, idx, w, w1, w2, w3):
-    out = np.zeros((z.shape[0], w2.shape[-1]))
-    for n in range(z.shape[0]):
-        for e, wk in zip(idx[n], w[n]):
-            out[n] += wk * (glu(cfg, z[n] @ w1[e], z[n] @ w3[e]) @ w2[e])
-    return out
-
-
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_experts_dense_and_ragged(act):
     cfg = toy().replace(hidden_act=act)
@@ -624,21 +458,6 @@ def test_experts_dense_and_ragged(act):
     check(dense, ref, f"experts_dense {act}")
     check(ragged, ref, f"experts_ragged {act}")
     check(ragged, dense, f"experts ragged vs dense {act}")
-
-
-def moe_ref(cfg, P, x):
-    x = np.asarray(x, F64).reshape(-1, cfg.hidden_size)
-    sel, w, _, margin = route_ref(x, P["gate"], P["e_score_correction_bias"], cfg.num_experts_per_token,
-                                  cfg.routed_scaling_factor)
-    z = x @ P["routed_expert_down_proj"]["kernel"] if cfg.use_latent_moe else x
-    y = experts_ref(cfg, z, sel, w, P["w1"], P["w2"], P["w3"])
-    if cfg.use_latent_moe:
-        if cfg.latent_moe_use_norm:
-            y = rmsnorm(y, P["routed_expert_norm"]["weight"], cfg.rms_norm_eps)
-        y = y @ P["routed_expert_up_proj"]["kernel"]
-    if cfg.num_shared_experts:
-        y = y + _mlp_ref(cfg, P["shared_experts"], x)[0]
-    return y, sel, margin
 
 
 MOE_VARIANTS = {

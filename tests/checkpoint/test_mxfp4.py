@@ -15,36 +15,15 @@ from k3jax.checkpoint.mxfp4 import (
     requantize_with_scale,
 )
 from k3jax.checkpoint.safetensors_io import SafetensorsFile
+from reference import e2m1_value, mxfp4_decode_ref
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 FIXTURE_B = SHARED / "fixtures" / "fixture_b" / "model.safetensors"
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALES = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254, 255]
 
 # Twice each E2M1 magnitude, so the table is integers.
-_TWICE_E2M1 = [0, 1, 2, 3, 4, 6, 8, 12]
-
-
-def _ref_value(code: int, s: int) -> float:
-    """Independent decode: sign bit, integer table, exact power of two (Python floats are
-    doubles, which hold every MXFP4 value exactly)."""
-    if s == 255:
-        return math.nan
-    v = math.ldexp(_TWICE_E2M1[code & 7], s - 128)
-    return -v if code & 8 else v
-
-
-def _ref_decode(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """[..., out, in/2], [..., out, in/32] -> float64 [..., out, in], element by element."""
-    n_in = packed.shape[-1] * 2
-    out = np.empty((*packed.shape[:-1], n_in), dtype=np.float64)
-    for idx in np.ndindex(*packed.shape[:-1]):
-        for i in range(n_in):
-            byte = int(packed[idx + (i // 2,)])
-            code = byte & 0xF if i % 2 == 0 else byte >> 4
-            out[idx + (i,)] = _ref_value(code, int(scale[idx + (i // GROUP_SIZE,)]))
-    return out
 
 
 def _to(x64: np.ndarray, dtype) -> np.ndarray:
@@ -74,7 +53,7 @@ def all_bytes():
 
 def test_decode_every_byte_every_scale_bit_exact(all_bytes):
     packed, scale = all_bytes
-    ref = _ref_decode(packed, scale)
+    ref = mxfp4_decode_ref(packed, scale)
     for dtype in (np.float32, BF16):
         want = _to(ref, dtype)
         got_jax = np.asarray(dequantize_mxfp4(packed, scale, dtype=jnp.dtype(dtype)))
@@ -392,5 +371,5 @@ def test_fixture_experts_decode_matches_independent_and_compressed_tensors(ct):
     _, decompress_ct = ct
     for name, packed, scale in _fixture_experts()[:12]:
         ours = np.asarray(dequantize_mxfp4(packed, scale, dtype=jnp.bfloat16))
-        assert _same_bits(ours, _to(_ref_decode(packed, scale), BF16)), name
+        assert _same_bits(ours, _to(mxfp4_decode_ref(packed, scale), BF16)), name
         assert _same_bits(ours, decompress_ct(packed, scale)), name

@@ -21,7 +21,7 @@ from k3jax.train.variants import write_variant
 
 from helpers import FIXTURES, assert_logits_match, need, rel_l2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
 F32 = {"param_dtype": "float32", "dtype": "float32"}
 

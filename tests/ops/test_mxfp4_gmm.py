@@ -17,6 +17,7 @@ from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_np
 from k3jax.ops.grouped_matmul import grouped_matmul
 from k3jax.ops.mxfp4_matmul import decode_halves, mxfp4_grouped_matmul
 from pallas_kernels.mxfp4_gmm import mxfp4_gmm
+from reference import mxfp4_gmm_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -26,18 +27,6 @@ def weights(rng, E, N, K, spread=6):
     packed = rng.integers(0, 256, (E, N, K // 2), dtype=np.uint8)
     scale = rng.integers(127 - spread, 127 + spread, (E, N, K // 32), dtype=np.uint8)
     return packed, scale
-
-
-def reference(x, packed, scale, sizes, transpose_rhs):
-    """float64 per-row products: row r times its group's decoded W (or Wᵀ); rows past the
-    groups are zero."""
-    w = dequantize_mxfp4_np(packed, scale, np.float32).astype(np.float64)
-    x = np.asarray(x, np.float32).astype(np.float64)
-    out = np.zeros((x.shape[0], w.shape[1] if transpose_rhs else w.shape[2]))
-    group = np.repeat(np.arange(len(sizes)), sizes)
-    for r, e in enumerate(group):
-        out[r] = w[e] @ x[r] if transpose_rhs else x[r] @ w[e]
-    return out
 
 
 def assert_close(got, want, dtype):
@@ -90,7 +79,7 @@ def test_pure_matches_reference(transpose_rhs):
         for sizes in SIZES:
             s = np.array(sizes, np.int32)
             got = gmm(xd, packed, scale, s, transpose_rhs=transpose_rhs, **kw)
-            want = reference(np.asarray(xd, np.float32), packed, scale, s, transpose_rhs)
+            want = mxfp4_gmm_ref(np.asarray(xd, np.float32), packed, scale, s, transpose_rhs)
             assert got.dtype == dtype and got.shape == want.shape
             assert_close(got, want, dtype)
             assert not np.asarray(got[sum(sizes):]).any()  # rows past the groups
@@ -194,7 +183,7 @@ def test_pure_path_under_shard_map_with_its_type_check():
     (_, y), dx = jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)
     w = dequantize_mxfp4_np(packed, scale, np.float32).astype(np.float64)
     for b in range(2):
-        want = reference(x[b], packed, scale, sizes[b], True)
+        want = mxfp4_gmm_ref(x[b], packed, scale, sizes[b], True)
         assert_close(np.asarray(y)[b], want, jnp.float32)
         want_dx = np.zeros_like(want, shape=x[b].shape)  # d/dx of Σ y² = 2 y W_g per row
         for r, e in enumerate(np.repeat(np.arange(E), sizes[b])):
@@ -240,7 +229,7 @@ def test_pallas_matches_reference_and_pure_path(layout, transpose_rhs):
             s = np.array(sizes, np.int32)
             got = fused(xd, packed, scale, s, transpose_rhs=transpose_rhs, mode="interpret",
                         layout=layout, tm=16)
-            want = reference(np.asarray(xd, np.float32), packed, scale, s, transpose_rhs)
+            want = mxfp4_gmm_ref(np.asarray(xd, np.float32), packed, scale, s, transpose_rhs)
             assert got.dtype == dtype and got.shape == want.shape
             assert_close(got, want, dtype)
             assert not np.asarray(got[sum(sizes):]).any()
@@ -258,7 +247,7 @@ def test_pallas_tpu_layout_over_several_weight_tiles():
     for transpose_rhs in (True, False):
         x = rng.standard_normal((48, k if transpose_rhs else n)).astype(np.float32)
         got = fused(x, packed, scale, sizes, transpose_rhs=transpose_rhs, mode="interpret", tm=16)
-        assert_close(got, reference(x, packed, scale, sizes, transpose_rhs), jnp.float32)
+        assert_close(got, mxfp4_gmm_ref(x, packed, scale, sizes, transpose_rhs), jnp.float32)
         assert not np.asarray(got[40:]).any()
 
 
@@ -277,7 +266,7 @@ def test_pallas_gradient_through_the_custom_vjp():
 
 
 # ---------------------------------------------------------------------------------------
-# lowering for accelerators (as tests/test_kda_engine.py does for KDA)
+# lowering for accelerators (as tests/ops/test_kda_engine.py does for KDA)
 
 
 MESH_SPECS = dict(in_specs=(P("data"), P(None, "tensor", None), P(None, "tensor", None), P("data")),

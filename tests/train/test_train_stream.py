@@ -13,7 +13,7 @@ from k3jax.tokenizer import ByteTokenizer
 from k3jax.train import stream
 from k3jax.train.data import pack, read_documents, rows_to_batch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
 TOK = ByteTokenizer()
 

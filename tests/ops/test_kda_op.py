@@ -17,6 +17,7 @@ import pytest
 from k3jax.ops.kda import chunk_transitions, kda, kda_step
 
 from helpers import rel_l2, rel_max
+from reference import numpy_kda
 
 kda_jit = jax.jit(kda, static_argnames=("scale", "output_final_state", "impl", "chunk_size"))
 
@@ -83,25 +84,6 @@ def make_segments(seed, B, T, chunk_size):
         reset[-1, 1] = True
     ids = np.cumsum(reset, axis=1) % 3 + 7 * np.arange(B)[:, None]
     return ids.astype(np.int32)
-
-
-def numpy_kda(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=None):
-    """float64 per-token reference, S_t = (I − β k kᵀ) Diag(e^g) S_{t-1} + β k vᵀ."""
-    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    S = np.zeros((B, H, K, V)) if initial_state is None else np.array(initial_state, np.float64)
-    o = np.zeros((B, T, H, V))
-    eye = np.eye(K)
-    for t in range(T):
-        if segment_ids is not None and t > 0:
-            S[segment_ids[:, t] != segment_ids[:, t - 1]] = 0.0
-        kt, bt = k[:, t], beta[:, t, :, None, None]
-        proj = eye - bt * kt[..., :, None] * kt[..., None, :]
-        S = proj @ (np.exp(g[:, t])[..., None] * S) + bt * kt[..., :, None] * v[:, t, :, None, :]
-        o[:, t] = np.einsum("bhk,bhkv->bhv", scale * q[:, t], S)
-    return o, S
 
 
 rel_rms = rel_l2   # ‖a − b‖ / ‖b‖ is the relative RMS error

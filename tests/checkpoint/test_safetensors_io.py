@@ -19,7 +19,7 @@ from k3jax.checkpoint.safetensors_io import (
     write_safetensors,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 FIXTURE_B = SHARED / "fixtures" / "fixture_b" / "model.safetensors"
 
 

@@ -18,7 +18,7 @@ import pytest
 from k3jax import cli
 from k3jax.train.variants import write_variant
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = {"steps": 4, "log_every": 2, "ckpt_every": 2, "keep": 10, "sample_tokens": 0, "peak_tflops": 1.0,
          "data": {"path": os.path.join(ROOT, "data", "corpus.txt"), "seq_len": 32, "batch_size": 2},
          "optimizer": {"warmup_steps": 2}}
