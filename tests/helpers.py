@@ -64,3 +64,24 @@ def greedy_full_forward(cfg, params, ids: list[int], n_new: int, pad_id: int) ->
     for pos in range(len(ids), T):
         buf[0, pos] = np.asarray(fwd(params, jnp.asarray(buf)))[0, pos - 1]
     return buf[0, len(ids):].tolist()
+
+
+def two_shard_multimodal_checkpoint(dest: Path) -> tuple[Path, Path, Path]:
+    """A release-layout folder at `dest`: fixture B's text tensors (MXFP4 experts) and
+    fixture V's vision tensors as two shards behind an index, one config.json with both.
+    Returns (dest, fixture B, fixture V); skips when the fixtures are absent."""
+    import json
+    import shutil
+
+    from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile
+    b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
+    dest.mkdir()
+    shutil.copyfile(b / "model.safetensors", dest / "text.safetensors")
+    shutil.copyfile(v / "model.safetensors", dest / "vision.safetensors")
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["vision_config"] = json.loads((v / "config.json").read_text())["vision_config"]
+    (dest / "config.json").write_text(json.dumps(cfg))
+    wm = {n: f for f in ("text.safetensors", "vision.safetensors") for n in SafetensorsFile(dest / f).keys()}
+    (dest / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return dest, b, v
+

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from helpers import FIXTURES, SHARED, assert_logits_match, need, rel_l2
+from helpers import FIXTURES, SHARED, assert_logits_match, need, rel_l2, two_shard_multimodal_checkpoint
 from k3jax import cli
 from k3jax.checkpoint import convert as convert_mod
 from k3jax.checkpoint.convert import MANIFEST, convert, dry_run
@@ -57,17 +57,7 @@ def fixture_a_orbax(tmp_path_factory):
 # released layout, byte for byte per tensor.
 # ---------------------------------------------------------------------------------------
 def test_convert_export_round_trip_is_byte_identical(tmp_path):
-    b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
-    src = tmp_path / "hf"
-    src.mkdir()
-    shutil.copyfile(b / "model.safetensors", src / "text.safetensors")
-    shutil.copyfile(v / "model.safetensors", src / "vision.safetensors")
-    cfg = json.loads((b / "config.json").read_text())
-    cfg["vision_config"] = json.loads((v / "config.json").read_text())["vision_config"]
-    (src / "config.json").write_text(json.dumps(cfg))
-    wm = {n: "text.safetensors" for n in SafetensorsFile(src / "text.safetensors").keys()}
-    wm.update({n: "vision.safetensors" for n in SafetensorsFile(src / "vision.safetensors").keys()})
-    (src / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    src, _, v = two_shard_multimodal_checkpoint(tmp_path / "hf")
 
     manifest = convert(src, tmp_path / "orbax")
     assert manifest["experts"] == "mxfp4" and manifest["vision_tensors"] == 18

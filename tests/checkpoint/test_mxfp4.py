@@ -1,6 +1,5 @@
 """MXFP4 codec: bit-exact decode, compressed-tensors' rounding, byte-identical round trips."""
 import math
-from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,10 +14,10 @@ from k3jax.checkpoint.mxfp4 import (
     requantize_with_scale,
 )
 from k3jax.checkpoint.safetensors_io import SafetensorsFile
+from helpers import FIXTURES
 from reference import e2m1_value, mxfp4_decode_ref
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-FIXTURE_B = SHARED / "fixtures" / "fixture_b" / "model.safetensors"
+FIXTURE_B = FIXTURES / "fixture_b" / "model.safetensors"
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SCALES = [0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254, 255]

@@ -18,9 +18,9 @@ from k3jax.checkpoint.safetensors_io import (
     ShardedCheckpoint,
     write_safetensors,
 )
+from helpers import FIXTURES
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-FIXTURE_B = SHARED / "fixtures" / "fixture_b" / "model.safetensors"
+FIXTURE_B = FIXTURES / "fixture_b" / "model.safetensors"
 
 
 def _numpy_tensors(rng) -> dict[str, np.ndarray]:

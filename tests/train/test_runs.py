@@ -174,22 +174,10 @@ def test_init_from_a_run_and_config_commands(run, capsys):
 def test_vision_features_from_a_conversion_and_not_from_a_run(run, tmp_path, capsys):
     """vision-features reads a convert output's vision/ tree like the HF files; a run (text
     model only) is refused in one line."""
-    import shutil
-
-    from helpers import FIXTURES, need, rel_l2
+    from helpers import rel_l2, two_shard_multimodal_checkpoint
     from k3jax.checkpoint.convert import convert
-    from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile
 
-    b, v = need(FIXTURES / "fixture_b"), need(FIXTURES / "fixture_v")
-    src = tmp_path / "hf"
-    src.mkdir()
-    shutil.copyfile(b / "model.safetensors", src / "text.safetensors")
-    shutil.copyfile(v / "model.safetensors", src / "vision.safetensors")
-    cfg = json.loads((b / "config.json").read_text())
-    cfg["vision_config"] = json.loads((v / "config.json").read_text())["vision_config"]
-    (src / "config.json").write_text(json.dumps(cfg))
-    wm = {n: f for f in ("text.safetensors", "vision.safetensors") for n in SafetensorsFile(src / f).keys()}
-    (src / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    src, _, v = two_shard_multimodal_checkpoint(tmp_path / "hf")
     convert(src, tmp_path / "orbax")
     args = ["--pixels", str(v / "pixel_values.npy"), "--grids", str(v / "grid_thws.npy")]
     assert cli.main(["vision-features", str(tmp_path / "orbax"), *args, "--out", str(tmp_path / "f.npy")]) == 0
