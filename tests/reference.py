@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from k3jax.checkpoint.adapters import PEFT_PREFIX
 from k3jax.checkpoint.mxfp4 import GROUP_SIZE, dequantize_mxfp4_np
+from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
+from k3jax.layout import layer_subpath
+from k3jax.model import LORA_KEY
 
 F32, F64 = np.float32, np.float64
 
@@ -257,3 +263,75 @@ def mxfp4_gmm_ref(x, packed, scale, sizes, transpose_rhs):
     for r, e in enumerate(group):
         out[r] = w[e] @ x[r] if transpose_rhs else x[r] @ w[e]
     return out
+
+
+def ep_kept_pairs(idx, P, El, R):
+    """The documented capacity policy in NumPy: tokens split into P contiguous blocks (one
+    per device of an expert-only mesh); each device receives its experts' pairs packed in
+    sender order, each sender's pairs sorted by expert (stable), and keeps the first R."""
+    N, k = idx.shape
+    n = N // P
+    keep = np.zeros((N, k), bool)
+    used = np.zeros(P, int)
+    for p in range(P):                                   # senders in device order
+        flat = idx[p * n:(p + 1) * n].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        for q in range(P):
+            mine = [i for i in order if flat[i] // El == q]
+            take = mine[:max(0, R - used[q])]
+            used[q] += len(take)
+            for i in take:
+                keep[p * n + i // k, i % k] = True
+    return keep
+
+
+def peft_merged_reference(base_dir, peft_tensors):
+    """The base checkpoint's tensors (MXFP4 experts dequantized) with W + B·A applied from a
+    PEFT file (its lora_alpha equals r: scales folded into B), as {name: float64 [out, in]}."""
+    ckpt = ShardedCheckpoint(base_dir)
+    deltas, out = {}, {}
+    for name, t in peft_tensors.items():
+        if ".lora_" not in name:    # modules_to_save: the tensor itself (the router biases)
+            out[name[len(PEFT_PREFIX):]] = t.astype(np.float64)
+            continue
+        mod = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0]
+        deltas.setdefault(mod, {})[name.rsplit(".lora_", 1)[1][0]] = t.astype(np.float64)
+    for mod, ab in deltas.items():
+        if f"{mod}.weight_packed" in ckpt.keys():
+            w = dequantize_mxfp4_np(ckpt.get(f"{mod}.weight_packed"), ckpt.get(f"{mod}.weight_scale"), np.float64)
+        else:
+            w = ckpt.get(f"{mod}.weight").astype(np.float64)
+        assert ab["A"].shape == (ab["A"].shape[0], w.shape[1]) and ab["B"].shape == (w.shape[0], ab["A"].shape[0])
+        out[mod] = w + ab["B"] @ ab["A"]
+    ckpt.close()
+    return out
+
+
+def lora_merged_params(cfg, params):
+    """An independent NumPy merge: every adapted kernel / expert stack replaced by
+    W + (alpha/r)·A·B (experts: per expert; shared_a: the one A), in float64."""
+    spec = cfg.runtime.lora
+    base = jax.tree.map(lambda x: np.asarray(x, np.float64) if x.dtype.kind == "f" else np.asarray(x),
+                        {k: v for k, v in params.items() if k != LORA_KEY})
+    hits = 0
+    for path, a in jax.tree_util.tree_leaves_with_path(params[LORA_KEY]):
+        keys = [k.key for k in path]
+        if keys[-1] != "lora_a":
+            continue
+        node, ad = base, params[LORA_KEY]
+        for k in keys[:-2]:
+            node, ad = node[k], ad[k]
+        name, ad = keys[-2], ad[keys[-2]]
+        a, b = np.asarray(ad["lora_a"], np.float64), np.asarray(ad["lora_b"], np.float64)
+        s = spec.scale_of(layer_subpath(keys[:-1]))
+        if name in ("w1", "w2", "w3"):
+            w = node[name]
+            if isinstance(w, dict):   # MXFP4: dequantized [.., E, out, in] -> [.., E, in, out]
+                w = np.swapaxes(dequantize_mxfp4_np(w["weight_packed"], w["weight_scale"], np.float64), -1, -2)
+            delta = np.einsum("...ir,...ero->...eio", a, b) if a.ndim == b.ndim - 1 else a @ b
+            node[name] = w + s * delta
+        else:
+            node[name]["kernel"] = node[name]["kernel"] + s * (a @ b)
+        hits += 1
+    assert hits > 0
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if x.dtype.kind == "f" else x, base)

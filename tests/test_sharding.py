@@ -21,6 +21,7 @@ from k3jax.ops import moe_dispatch as md
 from k3jax.model import K3Model, init_params
 
 from helpers import rel_l2 as rel
+from reference import ep_kept_pairs
 
 MESHES = ["data8", "data2_fsdp2_expert2", "expert8", "fsdp2_expert2_tensor2", "data2_context2_expert2"]
 TOL = 1e-5
@@ -208,26 +209,6 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
         assert rel(a, b) < TOL
 
 
-def _kept_pairs(idx, P, El, R):
-    """The documented capacity policy in NumPy: tokens split into P contiguous blocks (one
-    per device of an expert-only mesh); each device receives its experts' pairs packed in
-    sender order, each sender's pairs sorted by expert (stable), and keeps the first R."""
-    N, k = idx.shape
-    n = N // P
-    keep = np.zeros((N, k), bool)
-    used = np.zeros(P, int)
-    for p in range(P):                                   # senders in device order
-        flat = idx[p * n:(p + 1) * n].reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        for q in range(P):
-            mine = [i for i in order if flat[i] // El == q]
-            take = mine[:max(0, R - used[q])]
-            used[q] += len(take)
-            for i in take:
-                keep[p * n + i // k, i % k] = True
-    return keep
-
-
 @pytest.mark.parametrize("mode", ["padded", "emulated"])
 @pytest.mark.parametrize("factor", [1.0, 1.5])
 def test_ep_capacity_drops_exactly_the_overflow(mode, factor):
@@ -239,7 +220,7 @@ def test_ep_capacity_drops_exactly_the_overflow(mode, factor):
     r = np.random.default_rng(2)
     idx = np.stack([r.choice(E, k, replace=False) for _ in range(N)])
     idx[r.random(N) < 0.5] = [1, 0]                      # half the tokens crowd device 0
-    keep = _kept_pairs(idx, P, E // P, int(np.ceil(factor * (N // P) * k)))
+    keep = ep_kept_pairs(idx, P, E // P, int(np.ceil(factor * (N // P) * k)))
     assert 0 < (~keep).sum() < keep.size                 # the overflow is real, not everything
     z = jnp.asarray(r.normal(size=(N, H)), jnp.float32)
     w = jnp.asarray(r.random((N, k)), jnp.float32)
@@ -258,7 +239,6 @@ def test_ep_capacity_drops_exactly_the_overflow(mode, factor):
     assert rel(y, y0) < TOL
     for a, b in zip(g, g0):
         assert rel(a, b) < TOL
-
 
 
 def test_train_step_reports_the_pairs_the_capacity_drops(tmp_path):
@@ -292,7 +272,7 @@ def test_train_step_reports_the_pairs_the_capacity_drops(tmp_path):
             name = jax.tree_util.keystr(path)
             if "router_idx" in name:
                 for idx in np.asarray(x).reshape(-1, B * T, k):        # scanned layers stack
-                    expect += int((~_kept_pairs(idx, 8, E // 8, R)).sum())
+                    expect += int((~ep_kept_pairs(idx, 8, E // 8, R)).sum())
             if "ep_dropped" in name:
                 sown += int(np.sum(x))
         layers = cfg.ffn_kinds.count("moe")

@@ -139,8 +139,13 @@ def _multimodal_params(cfg, tc, key, mesh, vision):
             raise ConfigError(f"init_from {tc['init_from']}: the data holds images but the checkpoint has no vision "
                               f"tower weights")
         return params
-    from k3jax.vision.multimodal import init_multimodal_params
-    return init_multimodal_params(cfg, vision, key)
+    # random text params plus random vision params under `vision`
+    from k3jax.layers.common import param_dtype
+    from k3jax.layers.vision import init_vision_params
+    from k3jax.model import init_params
+    from k3jax.vision.multimodal import VISION_KEY
+    text_key, vision_key = jax.random.split(key)
+    return {**init_params(cfg, text_key), VISION_KEY: init_vision_params(vision, vision_key, param_dtype(cfg))}
 
 
 def optimizer_shardings(tx, abstract_params, groups):

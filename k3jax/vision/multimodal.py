@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, ModelConfig, VisionConfig
-from k3jax.layers.common import compute_dtype, param_dtype
-from k3jax.layers.vision import (Grid, KimiVision, check_grids, check_pixels, init_vision_params,
-                                 rows_per_image)
-from k3jax.model import InputError, K3Model, init_params, validate_inputs, variables_of
+from k3jax.layers.common import compute_dtype
+from k3jax.layers.vision import Grid, KimiVision, check_grids, check_pixels, rows_per_image
+from k3jax.model import InputError, K3Model, validate_inputs, variables_of
 from k3jax.vision.merge import check_media_rows, feature_rows
 from k3jax.vision.preprocess import MEDIA_PAD_TOKEN_ID, expand_media_pads
 
@@ -45,12 +44,6 @@ def split_params(params) -> tuple[dict, dict | None]:
     if VISION_KEY not in params:
         return params, None
     return {k: v for k, v in params.items() if k != VISION_KEY}, params[VISION_KEY]
-
-
-def init_multimodal_params(cfg: ModelConfig, vcfg: VisionConfig, rng) -> dict:
-    """Random text params (`init_params`) plus random vision params under `vision`."""
-    text_key, vision_key = jax.random.split(rng)
-    return {**init_params(cfg, text_key), VISION_KEY: init_vision_params(vcfg, vision_key, param_dtype(cfg))}
 
 
 class Images(NamedTuple):

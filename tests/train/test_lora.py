@@ -18,6 +18,7 @@ from k3jax.train import config as tconf, muon, step as tstep
 from k3jax.train.variants import variant_dict
 
 from helpers import rel_l2
+from reference import lora_merged_params
 
 # layer 0 dense; layers 1-4 a scanned [KDA-MoE, MLA-MoE] pair twice: every kind of target
 LAYERS = ("kda", "kda", "mla", "kda", "mla")
@@ -47,36 +48,6 @@ def _target(keys) -> str:
     return layer_subpath(keys[:-1])
 
 
-def _merge(cfg, params):
-    """An independent NumPy merge: every adapted kernel / expert stack replaced by
-    W + (alpha/r)·A·B (experts: per expert; shared_a: the one A), in float64."""
-    spec = cfg.runtime.lora
-    base = jax.tree.map(lambda x: np.asarray(x, np.float64) if x.dtype.kind == "f" else np.asarray(x),
-                        {k: v for k, v in params.items() if k != M.LORA_KEY})
-    hits = 0
-    for path, a in jax.tree_util.tree_leaves_with_path(params[M.LORA_KEY]):
-        keys = [k.key for k in path]
-        if keys[-1] != "lora_a":
-            continue
-        node, ad = base, params[M.LORA_KEY]
-        for k in keys[:-2]:
-            node, ad = node[k], ad[k]
-        name, ad = keys[-2], ad[keys[-2]]
-        a, b = np.asarray(ad["lora_a"], np.float64), np.asarray(ad["lora_b"], np.float64)
-        s = spec.scale_of(_target(keys))
-        if name in ("w1", "w2", "w3"):
-            w = node[name]
-            if isinstance(w, dict):   # MXFP4: dequantized [.., E, out, in] -> [.., E, in, out]
-                w = np.swapaxes(dequantize_mxfp4_np(w["weight_packed"], w["weight_scale"], np.float64), -1, -2)
-            delta = np.einsum("...ir,...ero->...eio", a, b) if a.ndim == b.ndim - 1 else a @ b
-            node[name] = w + s * delta
-        else:
-            node[name]["kernel"] = node[name]["kernel"] + s * (a @ b)
-        hits += 1
-    assert hits > 0
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if x.dtype.kind == "f" else x, base)
-
-
 TOKENS = np.random.default_rng(3).integers(0, 256, (2, 24)).astype(np.int32)
 
 
@@ -86,7 +57,7 @@ def test_adapted_model_equals_merged_weights(expert_format, expert_mode):
     params = _randomise_adapters(M.init_params(cfg, jax.random.PRNGKey(0)))
     got = M.forward(cfg, params, TOKENS)
     plain = _cfg()                     # widened experts, no adapters
-    want = M.forward(plain, _merge(cfg, params), TOKENS)
+    want = M.forward(plain, lora_merged_params(cfg, params), TOKENS)
     assert rel_l2(got, want) <= 1e-5, rel_l2(got, want)
 
 
@@ -114,7 +85,7 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weights():
 
     fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
     g_lora = jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad})))(params[M.LORA_KEY])
-    merged = _merge(cfg, params)
+    merged = lora_merged_params(cfg, params)
     g_w = jax.grad(lambda p: loss(fwd(_cfg(), p)))(merged)
     checked = 0
     for path, ga in jax.tree_util.tree_leaves_with_path(g_lora):

@@ -20,6 +20,7 @@ from k3jax.model import forward
 from k3jax.train.variants import write_variant
 
 from helpers import FIXTURES, assert_logits_match, need, rel_l2
+from reference import peft_merged_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
@@ -82,28 +83,6 @@ def _peft(out):
     return json.loads((out / CONFIG_NAME).read_text()), load_file(str(out / WEIGHTS_NAME))
 
 
-def _merged_reference(base_dir, peft_tensors):
-    """The base checkpoint's tensors (MXFP4 experts dequantized) with W + B·A applied from a
-    PEFT file (its lora_alpha equals r: scales folded into B), as {name: float64 [out, in]}."""
-    ckpt = ShardedCheckpoint(base_dir)
-    deltas, out = {}, {}
-    for name, t in peft_tensors.items():
-        if ".lora_" not in name:    # modules_to_save: the tensor itself (the router biases)
-            out[name[len(PEFT_PREFIX):]] = t.astype(np.float64)
-            continue
-        mod = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0]
-        deltas.setdefault(mod, {})[name.rsplit(".lora_", 1)[1][0]] = t.astype(np.float64)
-    for mod, ab in deltas.items():
-        if f"{mod}.weight_packed" in ckpt.keys():
-            w = dequantize_mxfp4_np(ckpt.get(f"{mod}.weight_packed"), ckpt.get(f"{mod}.weight_scale"), np.float64)
-        else:
-            w = ckpt.get(f"{mod}.weight").astype(np.float64)
-        assert ab["A"].shape == (ab["A"].shape[0], w.shape[1]) and ab["B"].shape == (w.shape[0], ab["A"].shape[0])
-        out[mod] = w + ab["B"] @ ab["A"]
-    ckpt.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def fixture_b_adapter(fixture_b_run):
     """`k3jax export RUN OUT --adapter` of that run."""
@@ -131,7 +110,7 @@ def test_adapter_export_is_the_run_in_peft_form(fixture_b_run, fixture_b_adapter
         assert re.fullmatch(cfg["target_modules"], mod), mod
     assert any(".experts.7.w2.lora_A" in n for n in tensors)
     # the base with W + B·A applied (NumPy, from the files) is the run the adapter came from
-    merged = _merged_reference(base, tensors)
+    merged = peft_merged_reference(base, tensors)
     k3, adapted = load_model_dir(run, F32)
     ids = np.load(base / "inputs.npy")[:, :48]
     want = np.asarray(forward(k3.text, adapted, ids))
@@ -175,7 +154,7 @@ def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixtur
     report = p.stdout
     rel_err = float(report.split("RMS error ")[1].split()[0])
     _, tensors = _peft(fixture_b_adapter)
-    merged = _merged_reference(base, tensors)
+    merged = peft_merged_reference(base, tensors)
     ckpt = ShardedCheckpoint(merged_dir)
     stored, err2, val2 = {}, 0.0, 0.0
     for mod, w in merged.items():
