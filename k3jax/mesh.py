@@ -35,10 +35,12 @@ AXES = ("data", "fsdp", "expert", "tensor", "context")
 MESH_DIR = os.path.join(CONFIG_DIR, "meshes")
 RULES_DIR = os.path.join(MESH_DIR, "rules")
 # DESIGN.md's logical axes, plus `expert_mlp` (the routed experts' hidden: `mlp` is the dense
-# MLPs', which inference splits over the same axis as the experts) and `router` (the
-# router's expert dim)
+# MLPs', which inference splits over the same axis as the experts), `router` (the router's
+# expert dim) and `low_rank` (the narrow side of a projection between embed and a bottleneck:
+# q_a, kv_a, f_a, g_a and the latent MoE's down/up, whose embed side carries the ZeRO shards)
 LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "heads_x_dim", "head_dim", "kda_rank",
-                "conv", "q_lora", "kv_lora", "mlp", "expert_mlp", "latent", "expert", "router", "layers")
+                "conv", "q_lora", "kv_lora", "low_rank", "mlp", "expert_mlp", "latent", "expert", "router",
+                "layers")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ class KimiDeltaAttention(nn.Module):
 
         A_log = self.param("A_log", logical(_a_log_init, ("heads",)), (H,), jnp.float32)
         dt_bias = self.param("dt_bias", logical(_dt_bias_init, ("heads_x_dim",)), (proj,), jnp.float32)
-        f = dense(cfg, K, ("embed", None), "f_a_proj")(x)
+        f = dense(cfg, K, ("embed", "low_rank"), "f_a_proj")(x)
         f = dense(cfg, proj, ("kda_rank", "heads_x_dim"), "f_b_proj")(f).reshape(B, T, H, K)
         g = forget_gate(cfg, f, A_log, dt_bias)
         beta = jax.nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x).astype(jnp.float32))
@@ -152,7 +152,7 @@ class KimiDeltaAttention(nn.Module):
         if cfg.use_full_rank_gate:
             gate = dense(cfg, proj, ("embed", "heads_x_dim"), "g_proj")(x)
         else:
-            gate = dense(cfg, K, ("embed", None), "g_a_proj")(x)
+            gate = dense(cfg, K, ("embed", "low_rank"), "g_a_proj")(x)
             gate = dense(cfg, proj, ("kda_rank", "heads_x_dim"), "g_b_proj")(gate)
         o = GatedRMSNorm(cfg.rms_norm_eps, name="o_norm")(o, gate.reshape(B, T, H, K))
         o = o.reshape(B, T, proj).astype(compute_dtype(cfg))

@@ -95,14 +95,14 @@ class GatedMLA(nn.Module):
         H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         B, T, _ = x.shape
         if cfg.q_lora_rank is not None:
-            q = dense(cfg, cfg.q_lora_rank, ("embed", None), "q_a_proj")(x)
+            q = dense(cfg, cfg.q_lora_rank, ("embed", "low_rank"), "q_a_proj")(x)
             q = RMSNorm(cfg.mla_norm_eps, "q_lora", name="q_a_layernorm")(q)
             q = dense(cfg, H * cfg.q_head_dim, ("q_lora", "heads_x_dim"), "q_b_proj")(q)
         else:
             q = dense(cfg, H * cfg.q_head_dim, ("embed", "heads_x_dim"), "q_proj")(x)
         q = q.reshape(B, T, H, cfg.q_head_dim)
 
-        ckv = dense(cfg, cfg.kv_lora_rank + dr, ("embed", None), "kv_a_proj_with_mqa")(x)
+        ckv = dense(cfg, cfg.kv_lora_rank + dr, ("embed", "low_rank"), "kv_a_proj_with_mqa")(x)
         c = RMSNorm(cfg.mla_norm_eps, "kv_lora", name="kv_a_layernorm")(ckv[..., :cfg.kv_lora_rank])
         k_r = ckv[..., cfg.kv_lora_rank:]
 

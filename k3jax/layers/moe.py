@@ -65,7 +65,7 @@ class StableLatentMoE(nn.Module):
         self.sow("intermediates", "router_scores", scores)
         self.sow("intermediates", "router_idx", idx)
 
-        z = dense(cfg, H, ("embed", None), "routed_expert_down_proj")(xf) if cfg.use_latent_moe else xf
+        z = dense(cfg, H, ("embed", "low_rank"), "routed_expert_down_proj")(xf) if cfg.use_latent_moe else xf
         cdt = compute_dtype(cfg)
         shapes = {"w1": ((E, H, F), ("expert", "latent", "expert_mlp")),
                   "w2": ((E, F, H), ("expert", "expert_mlp", "latent")),
@@ -80,7 +80,7 @@ class StableLatentMoE(nn.Module):
         if cfg.use_latent_moe:
             if cfg.latent_moe_use_norm:
                 y = RMSNorm(cfg.rms_norm_eps, "latent", name="routed_expert_norm")(y)
-            y = dense(cfg, D, (None, "embed"), "routed_expert_up_proj")(y)
+            y = dense(cfg, D, ("low_rank", "embed"), "routed_expert_up_proj")(y)
         if cfg.num_shared_experts:
             y = y + GatedMLP(cfg, cfg.shared_intermediate_size, name="shared_experts")(xf)
         return y.reshape(shape)
