@@ -29,8 +29,25 @@ _ROLES = ("w1", "w2", "w3")
 def _take(w, ids, dtype):
     """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened)."""
     if isinstance(w, MXFP4):
-        return dequantize_experts(MXFP4(w.packed[ids], w.scale[ids]), dtype)
-    return w[ids].astype(dtype)
+        return dequantize_experts(MXFP4(_rows(w.packed, ids), _rows(w.scale, ids)), dtype)
+    return _rows(w, ids).astype(dtype)
+
+
+# Up to this many experts are taken as one dynamic slice each (a decode step's few pairs);
+# more as one gather, whose cost then no longer matters next to the step's other reads.
+_SLICED_MAX = 64
+
+
+def _rows(x, ids):
+    """x[ids] along the experts axis. For a few ids, one dynamic slice each: compiling
+    `x[ids]` for TPU, XLA re-laid the whole [E, in, out] stack out before gathering
+    from it, reading every expert (more bytes than `ep`), and in scanned layers it
+    first copied the layer's whole slice. A dynamic slice of the leading axis keeps the
+    stack's layout and fuses with the layer's slice: only the chosen experts are read
+    (`k3jax compile --mode decode`: launch/README.md)."""
+    if ids.shape[0] > _SLICED_MAX:
+        return x[ids]
+    return jnp.stack([jax.lax.dynamic_index_in_dim(x, ids[j], 0, keepdims=False) for j in range(ids.shape[0])])
 
 
 def _product(x, w, adapter, scale: float, ids, equation: str):
