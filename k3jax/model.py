@@ -396,6 +396,13 @@ def abstract_params(cfg: ModelConfig):
     return _abstract_variables(cfg)["params"]
 
 
+def abstract_variables(cfg: ModelConfig):
+    """`abstract_params`, with the adapters under LORA_KEY when `cfg.runtime.lora` is set:
+    the tree `init_params` returns, as boxed shapes."""
+    boxed = abstract_params(cfg)
+    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
+
+
 def abstract_adapters(cfg: ModelConfig):
     """The LoRA adapters' shapes and logical axes ({} without `cfg.runtime.lora`)."""
     if cfg.runtime.lora is None:

@@ -8,7 +8,6 @@ policy; caches are exact. Nothing is allocated, so this runs for full K3 on a la
 from __future__ import annotations
 
 import fnmatch
-import functools
 import math
 from dataclasses import dataclass
 
@@ -52,13 +51,6 @@ def _sizes(spec, sizes: dict) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=8)
-def _abstract(cfg: ModelConfig):
-    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
-    boxed = abstract_params(cfg)     # ~5 s for full K3 (tracing only): cached per config
-    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
-
-
 def run_config(cfg: ModelConfig, opt: PlanOptions) -> ModelConfig:
     """The model config the planned run uses: param dtype, expert format, LoRA adapters."""
     cfg = cfg.with_runtime(param_dtype=opt.param_dtype, expert_format=opt.expert_format)
@@ -79,7 +71,8 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     from k3jax.train import muon
     sizes = preset.shape(opt.devices)
     run = run_config(cfg, opt)
-    boxed = _abstract(run)
+    from k3jax.model import abstract_variables
+    boxed = abstract_variables(run)     # traced once per config (model._traced_variables)
     mesh_specs = param_specs(boxed, preset.rules, sizes)
     shapes = nn.unbox(boxed)
     groups = jax.tree.leaves(muon.param_groups(run, shapes, opt.freeze))

@@ -13,12 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from k3jax.mesh import (AXES, LOGICAL_AXES, MESH_DIR, MeshPreset, active_mesh_axes, batch_sharding,  # noqa: F401
                         entry_axes, fit_spec, load_mesh, load_preset, preset_for, use_mesh)
 from k3jax.config import ConfigError
-from k3jax.model import LORA_KEY, abstract_adapters, abstract_params, init_params
-
-
-def _boxed(cfg):
-    boxed = abstract_params(cfg)
-    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
+from k3jax.model import abstract_variables, init_params
 
 
 def param_specs(boxed, rules, sizes: dict) -> dict:
@@ -51,7 +46,7 @@ def param_specs(boxed, rules, sizes: dict) -> dict:
 def param_shardings(cfg, mesh: Mesh, rules) -> dict:
     """NamedSharding per param (same tree as `init_params`, adapters included), from the
     logical names (`param_specs`)."""
-    specs = param_specs(_boxed(cfg), rules, dict(mesh.shape))
+    specs = param_specs(abstract_variables(cfg), rules, dict(mesh.shape))
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 

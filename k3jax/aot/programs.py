@@ -56,10 +56,8 @@ def abstract_params(cfg, mesh, rules):
     ShapeDtypeStructs with `sharding.param_shardings`' shardings."""
     from flax import linen as nn
 
-    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params as shapes
-    boxed = shapes(cfg)
-    if cfg.runtime.lora is not None:
-        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
+    from k3jax.model import abstract_variables
+    boxed = abstract_variables(cfg)
     plain = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     return jax.tree.map(_sds, plain, sharding.param_shardings(cfg, mesh, rules))
 

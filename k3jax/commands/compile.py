@@ -67,12 +67,10 @@ def _model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
     import jax
     from flax import linen as nn
 
-    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
+    from k3jax.model import abstract_variables
     from k3jax.train.loop import flops_per_token
     from k3jax.train.muon import param_groups
-    boxed = abstract_params(cfg)
-    if cfg.runtime.lora is not None:
-        boxed = {**boxed, LORA_KEY: abstract_adapters(cfg)}
+    boxed = abstract_variables(cfg)
     params = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     k, E = cfg.num_experts_per_token or 1, cfg.num_experts or 1
     per_token = flops_per_token(params, k / E, param_groups(cfg, params), k)

@@ -95,11 +95,10 @@ def run(args) -> int:
 
 
 def _effective_dispatch(cfg, mesh, rules) -> str:
-    """'ep (auto)': the dispatch the model runs under this mesh, and what was asked for."""
+    """`describe_dispatch` under this mesh (or none)."""
     from k3jax import sharding
-    from k3jax.ops.moe_dispatch import dispatch_name
+    from k3jax.ops.moe_dispatch import describe_dispatch
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(sharding.use_mesh(mesh, rules))
-        name = dispatch_name(cfg)
-    return name if name == cfg.runtime.moe_dispatch else f"{name} ({cfg.runtime.moe_dispatch})"
+        return describe_dispatch(cfg)

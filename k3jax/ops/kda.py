@@ -26,10 +26,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from k3jax.config import KDA_IMPLS as IMPLS
 from k3jax.ops import kda_assoc, kda_chunk
 from k3jax.ops.platform import target_backend
 
-IMPLS = ("auto", "recurrent", "chunk", "assoc", "pallas")
 # "auto" on CPU: the per-token scan while a head's state is small and sequences short (its
 # per-step cost is K·V multiply-adds with no chunk matmuls to amortise), else "chunk". On
 # this 2-core host, `benchmarks/kda.py --T 128 512 2048 --B 4 --H 4 --K K --C 64 --impls

@@ -160,6 +160,12 @@ def dispatch_name(cfg: ModelConfig) -> str:
     return "ep" if not mesh.empty and dict(mesh.shape).get("expert", 1) > 1 else "ragged"
 
 
+def describe_dispatch(cfg: ModelConfig) -> str:
+    """For logs: 'ep (auto)', the dispatch run under the context mesh and what was asked."""
+    name = dispatch_name(cfg)
+    return name if name == cfg.runtime.moe_dispatch else f"{name} ({cfg.runtime.moe_dispatch})"
+
+
 def drops_pairs(cfg: ModelConfig) -> bool:
     """Whether this config's MoE may drop pairs (an 'ep' receive capacity is set)."""
     return dispatch_name(cfg) == "ep" and bool(cfg.runtime.ep_capacity_factor)

@@ -378,10 +378,9 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
                                      for k, v in b.items()}
         state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
-        from k3jax.ops.moe_dispatch import dispatch_name
-        dispatch = dispatch_name(cfg)       # run() holds the mesh as the context mesh
-        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); moe dispatch {dispatch}"
-            + (f" ({cfg.runtime.moe_dispatch})" if dispatch != cfg.runtime.moe_dispatch else ""))
+        from k3jax.ops.moe_dispatch import describe_dispatch   # run() holds the mesh as the context mesh
+        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
+            f"moe dispatch {describe_dispatch(cfg)}")
 
     if main:   # under the lock, before any process saves
         rundir.remove_unfinished_checkpoints(f"{run_dir}/{RUN_CHECKPOINTS}", log)

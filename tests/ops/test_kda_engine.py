@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 from k3jax.ops import kda_chunk
 from k3jax.ops.kda import kda
 from k3jax.ops.kda_context import context_parallel_kda
-from test_kda_op import make_inputs, make_segments, make_state, rel_rms
+from test_kda_op import make_inputs, make_segments, make_state
+
+from helpers import rel_l2
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -55,7 +57,7 @@ def _check_against_recurrent(impl, T, H, K, C, gate, use_h0, use_seg, B=2, V=Non
     for name, a, b in zip(NAMES, got, ref):
         assert a.shape == b.shape, name
         assert np.all(np.isfinite(a)), name
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 # (T, H, K, chunk_size, gate, initial_state, segments)
@@ -106,7 +108,7 @@ def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
     got = fresh(x, h0, seg, r_o, r_s, "chunk", C)
     ref = _outputs_and_grads(x, h0, seg, r_o, r_s, "recurrent", C)
     for name, a, b in zip(NAMES, got, ref):
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 def _nearly_repeated_keys(x, seed):
@@ -135,7 +137,7 @@ def test_nearly_repeated_keys_with_beta_near_one(impl, C):
     ref = _outputs_and_grads(x, h0, None, r_o, r_s, "recurrent", C)
     got = _outputs_and_grads(x, h0, None, r_o, r_s, impl, C)
     for name, a, b in zip(NAMES, got, ref):
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 @pytest.mark.parametrize("C", [24, 64])
@@ -160,9 +162,9 @@ def test_unit_lower_solve_gradient_matches_autodiff_of_a_dense_solve(C):
     ref = jax.grad(lambda *z: loss(dense, *z), argnums=(0, 1, 2))(a, *xs)
     got = jax.grad(lambda *z: loss(kda_chunk.unit_lower_solve, *z), argnums=(0, 1, 2))(a, *xs)
     for y, y_ref in zip(kda_chunk.unit_lower_solve(a * strict, *xs), dense(a, *xs)):
-        assert rel_rms(y, y_ref) <= 1e-5
+        assert rel_l2(y, y_ref) <= 1e-5
     for d, d_ref in zip(got, ref):
-        assert rel_rms(d, d_ref) <= 1e-5
+        assert rel_l2(d, d_ref) <= 1e-5
     assert np.all(np.asarray(got[0]) * (1 - strict) == 0)
 
 
@@ -176,7 +178,7 @@ def test_chunk_size_not_a_power_of_two(impl):
     kw = dict(initial_state=h0, segment_ids=seg, output_final_state=True)
     o_ref, s_ref = kda(**x, impl="recurrent", **kw)
     o, s = kda(**x, impl=impl, chunk_size=C, **kw)
-    assert rel_rms(o, o_ref) <= 1e-4 and rel_rms(s, s_ref) <= 1e-4
+    assert rel_l2(o, o_ref) <= 1e-4 and rel_l2(s, s_ref) <= 1e-4
 
 
 PALLAS_CASES = [
@@ -219,7 +221,7 @@ def test_pallas_gpu_layout_matches_recurrent():
     (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
         x["q"], x["k"], x["v"], x["g"], x["beta"], h0)
     for name, a, b in zip(NAMES, (o, s) + grads, ref):
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 def _tf32(x):
@@ -273,9 +275,9 @@ def test_pallas_gpu_arithmetic_matches_recurrent(case, monkeypatch):
     exact = run()
     monkeypatch.setattr(fwd, "matmul", _tf32x3_matmul)
     got = run()
-    assert rel_rms(got[0], exact[0]) > 0  # the emulation is what ran
+    assert rel_l2(got[0], exact[0]) > 0  # the emulation is what ran
     for name, a, b in zip(NAMES, got, ref):
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 def _kernel_matmul_precisions(fn, *args):
@@ -325,7 +327,7 @@ def test_pallas_runs_under_x64():
     o_ref, _ = kda(**x, impl="recurrent")
     with jax.enable_x64(True):
         o, _ = kda(**x, impl="pallas", chunk_size=16)
-    assert rel_rms(o, o_ref) <= 1e-4
+    assert rel_l2(o, o_ref) <= 1e-4
 
 
 def test_pallas_pads_other_head_dims():
@@ -389,7 +391,7 @@ def test_context_parallel_equals_single_device(n_dev, T, C, impl, lb):
     got = _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl, lb)
     for name, a, b in zip(NAMES, got, ref):
         assert np.all(np.isfinite(a)), name
-        assert rel_rms(a, b) <= 1e-4, (name, n_dev, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, n_dev, rel_l2(a, b))
 
 
 @pytest.mark.parametrize("spec,impl", [
@@ -426,7 +428,7 @@ def test_sharded_kda_runs_each_devices_slice_and_equals_single_device(spec, impl
     split = lambda n, axes: n // np.prod([mesh.shape[a] for a in jax.tree.leaves(axes)], dtype=int)  # noqa: E731
     assert local_shapes == {(split(B, spec[0]), split(T, spec[1]), split(H, spec[2]), K)}
     for name, a, b in zip(NAMES, (o, s) + grads, ref):
-        assert rel_rms(a, b) <= 1e-4, (name, spec, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, spec, rel_l2(a, b))
 
 
 # ---------------------------------------------------------------------------------------

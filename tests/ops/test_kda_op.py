@@ -86,7 +86,6 @@ def make_segments(seed, B, T, chunk_size):
     return ids.astype(np.int32)
 
 
-rel_rms = rel_l2   # ‖a − b‖ / ‖b‖ is the relative RMS error
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,10 +124,10 @@ def test_forward_against_references(T, H, K, V, C, gate, use_h0, use_seg):
 
     assert o_rec.shape == o_chk.shape == (B, T, H, V)
     assert s_chk.shape == (B, H, K, V) and s_chk.dtype == jnp.float32
-    assert rel_rms(o_rec, o_np) <= 1e-5 and rel_max(o_rec, o_np) <= 1e-5
-    assert rel_rms(s_rec, s_np) <= 1e-5 and rel_max(s_rec, s_np) <= 1e-5
-    assert rel_rms(o_chk, o_rec) <= 1e-4
-    assert rel_rms(s_chk, s_rec) <= 1e-4
+    assert rel_l2(o_rec, o_np) <= 1e-5 and rel_max(o_rec, o_np) <= 1e-5
+    assert rel_l2(s_rec, s_np) <= 1e-5 and rel_max(s_rec, s_np) <= 1e-5
+    assert rel_l2(o_chk, o_rec) <= 1e-4
+    assert rel_l2(s_chk, s_rec) <= 1e-4
 
 
 def test_gate_generators_cover_the_ranges():
@@ -152,8 +151,8 @@ def test_packed_documents_equal_separate_runs():
         for i, (t0, t1) in enumerate(zip(starts[:-1], starts[1:])):
             piece = {n: a[b : b + 1, t0:t1] for n, a in x.items()}
             o_doc, s_doc = numpy_kda(**piece, initial_state=h0[b : b + 1] if i == 0 else None)
-            assert rel_rms(o[b, t0:t1], o_doc[0]) <= 1e-4, (b, t0, t1)
-        assert rel_rms(s[b], s_doc[0]) <= 1e-4
+            assert rel_l2(o[b, t0:t1], o_doc[0]) <= 1e-4, (b, t0, t1)
+        assert rel_l2(s[b], s_doc[0]) <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,7 +185,7 @@ def test_gradients_chunk_match_recurrent(T, H, K, C, gate):
     g_chk = _loss_grads("chunk", C, x, h0, seg, r_o, r_s)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g_chk, g_rec):
         assert np.all(np.isfinite(a)), name
-        assert rel_rms(a, b) <= 1e-4, (name, rel_rms(a, b))
+        assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
 def test_gradients_finite_with_extreme_gates():
@@ -203,7 +202,7 @@ def test_gradients_finite_with_extreme_gates():
 
     (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(*x.values())
     assert np.all(np.isfinite(o))
-    assert rel_rms(o, o_rec) <= 1e-4
+    assert rel_l2(o, o_rec) <= 1e-4
     for gr in grads:
         assert np.all(np.isfinite(gr))
 
@@ -247,7 +246,7 @@ def test_gate_lower_bound_matches_recurrent(T, H, K, C, gate, lb):
         got = outputs_and_grads(impl, lb)
         for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref):
             assert np.all(np.isfinite(a)), (impl, name)
-            assert rel_rms(a, b) <= 1e-4, (impl, name, rel_rms(a, b))
+            assert rel_l2(a, b) <= 1e-4, (impl, name, rel_l2(a, b))
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,8 +276,8 @@ def test_bf16_inputs_compute_in_fp32():
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     o32, s32 = kda_jit(**{n: a.astype(jnp.float32) for n, a in x.items()}, impl="recurrent",
                        output_final_state=True)
-    assert rel_rms(s, s32) <= 1e-4
-    assert rel_rms(o.astype(jnp.float32), o32) <= 1e-2  # only the final cast to bf16 differs
+    assert rel_l2(s, s32) <= 1e-4
+    assert rel_l2(o.astype(jnp.float32), o32) <= 1e-2  # only the final cast to bf16 differs
 
 
 def test_final_state_only_on_request_and_custom_scale():
@@ -287,7 +286,7 @@ def test_final_state_only_on_request_and_custom_scale():
     assert s is None
     o_np, _ = numpy_kda(**x, scale=0.3)
     o2, _ = kda_jit(**x, scale=0.3, chunk_size=8)
-    assert rel_rms(o2, o_np) <= 1e-4
+    assert rel_l2(o2, o_np) <= 1e-4
 
 
 def test_traced_scale_gets_its_gradient():
@@ -305,7 +304,7 @@ def test_traced_scale_gets_its_gradient():
 
     (ds_rec, dq_rec), (ds_chk, dq_chk) = grads("recurrent"), grads("chunk")
     assert abs(float(ds_chk - ds_rec)) <= 1e-4 * abs(float(ds_rec))
-    assert rel_rms(dq_chk, dq_rec) <= 1e-4
+    assert rel_l2(dq_chk, dq_rec) <= 1e-4
 
 
 def test_chunk_transitions_compose_to_final_state():
@@ -323,7 +322,7 @@ def test_chunk_transitions_compose_to_final_state():
 
     m_all, n_all = jax.lax.associative_scan(compose, (m, n), axis=2)
     s = m_all[:, :, -1] @ h0 + n_all[:, :, -1]
-    assert rel_rms(s, s_ref) <= 1e-4
+    assert rel_l2(s, s_ref) <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------
@@ -361,7 +360,7 @@ def test_matches_fla_naive_recurrent(gate):
     for impl in ("recurrent", "chunk"):
         o, s = kda_jit(**x, initial_state=h0, output_final_state=True, impl=impl, chunk_size=C)
         tol = 1e-5 if impl == "recurrent" else 1e-4
-        assert rel_rms(o, o_ref.numpy()) <= tol and rel_rms(s, s_ref.numpy()) <= tol
+        assert rel_l2(o, o_ref.numpy()) <= tol and rel_l2(s, s_ref.numpy()) <= tol
 
     # Packed documents: fla has no segment ids, so run it per document.
     o, s = kda_jit(**x, initial_state=h0, segment_ids=seg, output_final_state=True, chunk_size=C)
@@ -371,8 +370,8 @@ def test_matches_fla_naive_recurrent(gate):
             init = torch.from_numpy(h0[b : b + 1]) if i == 0 else None
             o_doc, s_doc = naive(**{n: a[b : b + 1, t0:t1] for n, a in t.items()},
                                  initial_state=init, output_final_state=True)
-            assert rel_rms(o[b, t0:t1], o_doc[0].numpy()) <= 1e-4
-        assert rel_rms(s[b], s_doc[0].numpy()) <= 1e-4
+            assert rel_l2(o[b, t0:t1], o_doc[0].numpy()) <= 1e-4
+        assert rel_l2(s[b], s_doc[0].numpy()) <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------
