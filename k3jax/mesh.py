@@ -54,6 +54,8 @@ class MeshPreset:
     device: str = ""
     hbm_gib: float | None = None
     train_preset: str | None = None   # the preset training on these devices uses instead
+    context_preset: str | None = None  # same devices, each sequence split over a context axis:
+                                       # what training uses when a batch has too few sequences
 
     @property
     def num_slices(self) -> int:
@@ -134,7 +136,7 @@ def load_preset(preset_or_path) -> MeshPreset:
         d = yaml.safe_load(f) or {}
     name = os.path.splitext(os.path.basename(p))[0]
     unknown = sorted(set(d) - {"ici", "dcn", "rules", "rules_override", "device", "hbm_gib", "description",
-                               "train_preset"})
+                               "train_preset", "context_preset"})
     if unknown:
         raise ConfigError(f"mesh {name}: unknown keys {unknown}")
     for key in ("ici", "dcn"):
@@ -143,16 +145,28 @@ def load_preset(preset_or_path) -> MeshPreset:
             raise ConfigError(f"mesh {name}: {key} names unknown mesh axes {bad} (axes: {AXES})")
     return MeshPreset(name, dict(d.get("ici") or {}), dict(d.get("dcn") or {}),
                       _preset_rules(name, d), d.get("device", ""), d.get("hbm_gib"),
-                      d.get("train_preset"))
+                      d.get("train_preset"), d.get("context_preset"))
 
 
-def preset_for(preset_or_path, mode: str):
+def preset_for(preset_or_path, mode: str, batch: int | None = None, n_devices: int | None = None):
     """The preset to use for `mode` ('train' | 'infer'): an inference preset may name the
-    layout training on the same devices uses (`train_preset:`)."""
+    layout training on the same devices uses (`train_preset:`), and a training preset the
+    one a batch of `batch` sequences needs when they do not divide over its batch shards
+    (`context_preset:`, each sequence over several chips; v5p-1024 at 128 sequences)."""
     preset = load_preset(preset_or_path)
     if mode == "train" and preset.train_preset:
-        return load_preset(preset.train_preset)
+        preset = load_preset(preset.train_preset)
+    if mode == "train" and batch and preset.context_preset and batch % batch_shards(preset, n_devices):
+        preset = load_preset(preset.context_preset)
     return preset
+
+
+def batch_shards(preset: MeshPreset, n_devices: int | None = None) -> int:
+    """How many ways the preset's rules split a batch's sequences."""
+    sizes = preset.shape(n_devices)
+    axes = nn.logical_to_mesh_axes(("batch",), preset.rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sizes.get(a, 1) for a in axes)
 
 
 def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:

@@ -214,10 +214,12 @@ def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: i
 
 
 def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> dict:
-    """The per-device plan. In train mode an inference preset that names a `train_preset`
-    (e.g. b300x8 -> b300x8_train) is planned with that layout, as `k3jax train` runs it."""
+    """The per-device plan. In train mode the layout is the one `k3jax train` runs
+    (`mesh.preset_for`): an inference preset's `train_preset` (b300x8 -> b300x8_train), and
+    the `context_preset` a batch with fewer sequences than batch shards needs."""
     from k3jax.sharding import preset_for
-    preset = preset_for(preset.name, opt.mode) if preset.train_preset and opt.mode == "train" else preset
+    if opt.mode == "train" and (preset.train_preset or preset.context_preset):
+        preset = preset_for(preset.name, "train", opt.batch, opt.devices)
     sizes = preset.shape(opt.devices)
     batch = opt.batch or _shards(preset.rules, sizes, ("batch",))
     state = state_bytes(cfg, preset, opt)

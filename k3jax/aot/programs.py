@@ -108,7 +108,7 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
     if opt.optimizer != "muon":
         raise ConfigError(f"--optimizer {opt.optimizer}: `k3jax train` runs Per-Head Muon (AdamW on "
                           f"embeddings, vectors and lm_head); compile it with --optimizer muon")
-    preset = sharding.preset_for(preset_name, "train")      # as `k3jax train --mesh` picks it
+    preset = sharding.preset_for(preset_name, "train", opt.batch, len(devices))   # as `k3jax train --mesh` picks it
     mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
     batch = default_batch(preset, opt, len(devices))
     check_layout(preset, len(devices), batch, opt.seq)

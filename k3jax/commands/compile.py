@@ -104,14 +104,16 @@ def run(args) -> int:
     from k3jax.config import load_k3
     from k3jax.param_count import count_params
     from k3jax.plan import PlanOptions, plan
-    from k3jax.sharding import load_preset
+    from k3jax.sharding import load_preset, preset_for
     from k3jax.train.config import parse_overrides
 
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     k3 = load_k3(args.config)
-    preset = load_preset(args.mesh)
     chip = _chip(args)
     devices = topology_devices(args.topology)
+    # training runs the layout `k3jax train --mesh` picks (a train or context preset)
+    preset = (preset_for(args.mesh, "train", args.batch, len(devices)) if args.mode == "train"
+              else load_preset(args.mesh))
     opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch, seq=args.seq,
                       remat=args.remat, optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=len(devices), hbm_gib=args.hbm_gib,

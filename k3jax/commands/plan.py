@@ -74,7 +74,7 @@ def run(args) -> int:
         print(json.dumps(out))
         return 0
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
-    print(f"{args.config} on {preset.name} ({shape}; {out['devices']} devices), {args.mode}: "
+    print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
           f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else ""))
     print(f"params {out['params']:,d}; MLA cache {out['mla_cache_values_per_token']:,d} values/token; "

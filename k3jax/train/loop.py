@@ -263,7 +263,11 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    m, rules = sharding.load_mesh(sharding.preset_for(mesh, "train"))
+    batch = tconf.resolve(load_k3(config_path).train, tconf.parse_overrides(overrides or []))["data"]["batch_size"]
+    preset = sharding.preset_for(mesh, "train", batch, jax.device_count())
+    if preset.name != sharding.load_preset(mesh).name:
+        log(f"mesh {mesh}: training on {preset.name} ({batch} sequences per step)")
+    m, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
 
