@@ -93,6 +93,53 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     return {k: int(v) for k, v in out.items()}
 
 
+# Logical axes a weight is ZeRO-sharded over (its input side, configs/meshes/rules/zero3.yaml):
+# gathered whole for the compute. The others (heads, vocab, hidden, experts) stay split.
+ZERO_AXES = ("embed", "kda_rank", "q_lora", "kv_lora", "latent")
+
+
+def gathered_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
+    """Per-device bytes of weights ZeRO-3 gathers for the compute: one layer's at a time
+    (the largest layer), and the lm_head table, which the logits need whole over the model
+    dim (found in the compiled K3 train step's peak: gathered q/k/v/o/g, dense-MLP and
+    local-expert weights of the layer in flight, and a [D, vocab] lm_head, beside the
+    embedding's). A gathered weight keeps its other splits (heads, vocab, experts).
+    Training holds each gathered weight's gradient at that size too, until it is
+    reduce-scattered. The embedding table is `activation_bytes`' `embed_table`."""
+    from k3jax.model import abstract_variables
+    sizes = preset.shape(opt.devices)
+    boxed = abstract_variables(run_config(cfg, opt))
+    is_box = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731
+    specs = jax.tree.leaves(param_specs(boxed, preset.rules, sizes),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    per_layer: dict[str, float] = {}
+    lm_head = 0.0
+    for (path, box), spec in zip(jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_box), specs):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        names = box.names if is_box(box) else (None,) * len(spec)
+        leaf = box.value if is_box(box) else box
+        kept = gathered = 1
+        for name, entry in zip(names, tuple(spec) + (None,) * (leaf.ndim - len(spec))):
+            n = math.prod(sizes[a] for a in entry_axes(entry))
+            if name in ZERO_AXES:
+                gathered *= n
+            else:
+                kept *= n
+        if keys[0] in ("lora", "embed_tokens") or gathered == 1:
+            continue
+        full = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize / kept
+        if keys[0] == "lm_head":
+            lm_head += full
+        elif keys[0] == "groups":                      # stacked: one slice per layer
+            layer = "/".join(keys[:2])
+            per_layer[layer] = per_layer.get(layer, 0.0) + full / leaf.shape[0]
+        elif keys[0].startswith("layers_"):
+            per_layer[keys[0]] = per_layer.get(keys[0], 0.0) + full
+    layer = max(per_layer.values(), default=0.0)
+    trained = opt.mode == "train" and not opt.lora_rank
+    return {"layer": int(layer * (2 if trained else 1)), "lm_head": int(lm_head)}
+
+
 def _shards(rules, sizes: dict, logical: tuple[str, ...]) -> int:
     return _sizes(tuple(nn.logical_to_mesh_axes(logical, rules)), sizes)
 
@@ -193,11 +240,14 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
         trained = opt.mode == "train" and not opt.lora_rank and not any(
             fnmatch.fnmatchcase("embed_tokens/embedding", g) for g in opt.freeze)
         embed_table = vocab_local * cfg.hidden_size * (width + (4 if trained else 0))
+    gathered = gathered_bytes(cfg, preset, opt)
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2),
-                "embed_table": int(embed_table)}
+                "embed_table": int(embed_table), "gathered_layer": gathered["layer"],
+                "lm_head_table": gathered["lm_head"]}
     return {"saved": int(saved_per_token * tokens * width), "layer_peak": int(peak_layer),
-            "moe_buffer": int(moe_buffer), "logits": int(logits), "embed_table": int(embed_table)}
+            "moe_buffer": int(moe_buffer), "logits": int(logits), "embed_table": int(embed_table),
+            "gathered_layer": gathered["layer"], "lm_head_table": gathered["lm_head"]}
 
 
 def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:

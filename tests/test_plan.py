@@ -1,5 +1,6 @@
 """`k3jax plan`: full K3 from abstract shapes only (nothing of that size is allocated)."""
 import json
+import math
 
 import pytest
 
@@ -119,3 +120,42 @@ def test_saved_carry_is_what_the_backward_keeps():
                if x.shape not in param_shapes and len(x.shape))
     planned = saved_carry_values(cfg) * B * T * 4
     assert abs(planned - kept) <= 0.1 * kept, (planned, kept)
+
+
+def test_too_few_sequences_for_the_batch_shards_take_the_context_preset(capsys):
+    # v5p-1024 splits a batch 512 ways; 128 sequences can only run with each sequence split
+    # over 4 chips, the layout `k3jax train --mesh v5p-1024` then uses (mesh.preset_for)
+    from k3jax.mesh import batch_shards, preset_for
+    assert batch_shards(load_preset("v5p-1024")) == 512
+    assert preset_for("v5p-1024", "train", 128).name == "v5p-1024-cp4"
+    assert preset_for("v5p-1024", "train", 512).name == "v5p-1024"
+    assert preset_for("v5p-1024", "infer", 128).name == "v5p-1024"
+    few = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "128")
+    cp4 = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024-cp4", "--batch", "128")
+    assert few["mesh"] == "v5p-1024-cp4" and few["bytes_per_device"] == cp4["bytes_per_device"]
+    assert run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "512")["mesh"] == "v5p-1024"
+
+
+def test_zero3_gathers_one_layer_and_the_lm_head():
+    """ZeRO-3 gathers a layer's weights over their sharded input side (the routed experts
+    stay split over expert, heads and hidden over tensor) and the lm_head over embed;
+    training holds the gathered gradients too. Serving layouts gather nothing."""
+    from flax import linen as nn
+
+    from k3jax.model import abstract_params
+    cfg = load("toy")
+    V, D = cfg.vocab_size, cfg.hidden_size
+    opts = dict(batch=8, seq=64, param_dtype="bfloat16")
+    act = lambda mesh, mode, **kw: plan(cfg, load_preset(mesh), PlanOptions(mode=mode, **opts, **kw), 1)[  # noqa: E731
+        "detail"]["activations"]
+    train, infer = act("fsdp2_expert2_tensor2", "train"), act("fsdp2_expert2_tensor2", "infer")
+    assert train["lm_head_table"] == infer["lm_head_table"] == V // 2 * D * 2     # vocab stays over tensor
+    assert train["gathered_layer"] == 2 * infer["gathered_layer"] > 0
+    assert act("fsdp2_expert2_tensor2", "train", lora_rank=4)["gathered_layer"] == infer["gathered_layer"]
+    # an MoE layer holds at least its local experts whole over fsdp: E/2 experts, hidden/2
+    p = nn.unbox(abstract_params(cfg))
+    moe = next(k for k in p if k.startswith("layers_") and "block_sparse_moe" in p[k])
+    experts = sum(math.prod(p[moe]["block_sparse_moe"][w].shape) * 2 / 4 for w in ("w1", "w2", "w3"))
+    assert infer["gathered_layer"] >= experts
+    serve = act("b300x8", "infer")
+    assert serve["gathered_layer"] == 0 and serve["lm_head_table"] == 0
