@@ -43,7 +43,10 @@ def host_environment(platform: str = "tpu") -> None:
     env = {"K3JAX_TARGET_BACKEND": platform}
     if platform == "tpu":
         # not a TPU VM: no TPU backend to start, no hosts to look for
-        env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5p-8", TPU_WORKER_HOSTNAMES="localhost")
+        env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5p-8", TPU_WORKER_HOSTNAMES="localhost",
+                   # no chip to share: without this a second compile on the host stops at
+                   # libtpu's lockfile ("Internal error when accessing libtpu multi-process lockfile")
+                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     for k, v in env.items():
         os.environ.setdefault(k, v)
 

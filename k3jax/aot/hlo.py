@@ -354,9 +354,25 @@ def collective_bytes(i: Instr, shapes: dict) -> tuple[str, float] | None:
 _SLICING = {"dynamic-slice": 0, "slice": 0, "gather": 0}     # opcode -> the operand it reads a part of
 
 
-def _partial_reads(comp: Computation) -> dict[int, float]:
+def _in_place_update(comp: Computation) -> tuple[int, float] | None:
+    """(parameter number, update bytes) when a fused computation's root is a
+    dynamic-update-slice into one of its parameters: XLA updates that buffer in place, so
+    the fusion reads none of it and writes only the update (a decode step's chosen experts
+    copied one by one into a [k, in, out] buffer would otherwise count k whole buffers)."""
+    root = next((i for i in comp.instrs if i.root), None)
+    if root is None or root.opcode != "dynamic-update-slice" or len(root.operands) < 2:
+        return None
+    params = {i.name: int(i.args.strip() or 0) for i in comp.instrs if i.opcode == "parameter"}
+    if root.operands[0] not in params:
+        return None
+    return params[root.operands[0]], shape_bytes(comp.shapes().get(root.operands[1], ""))
+
+
+def _partial_reads(comp: Computation, comps: dict | None = None) -> dict[int, float]:
     """For a fused computation: parameter number -> bytes read, for parameters every user
-    of which only slices or gathers from them (the rest of such an operand is never read)."""
+    of which only slices or gathers from them (the rest of such an operand is never read;
+    a nested fusion's user counts by what it reads of that operand), and the buffer an
+    in-place update writes into (`_in_place_update`: none of it)."""
     params = {i.name: int(i.args.strip() or 0) for i in comp.instrs if i.opcode == "parameter"}
     users: dict[str, list[Instr]] = {}
     for i in comp.instrs:
@@ -365,8 +381,21 @@ def _partial_reads(comp: Computation) -> dict[int, float]:
                 users.setdefault(o, []).append((i, pos))
     out = {}
     for name, us in users.items():
-        if all(_SLICING.get(u.opcode) == pos for u, pos in us):
-            out[params[name]] = sum(shape_bytes(u.shape) for u, _ in us)
+        read = 0.0
+        for u, pos in us:
+            if _SLICING.get(u.opcode) == pos:
+                read += shape_bytes(u.shape)
+                continue
+            callee = _attr_names(u.attrs, "calls") if u.opcode == "fusion" and comps else []
+            inner = _partial_reads(comps[callee[0]], comps) if callee and callee[0] in comps else {}
+            if pos not in inner:
+                break
+            read += inner[pos]
+        else:
+            out[params[name]] = read
+    update = _in_place_update(comp)
+    if update is not None:
+        out[update[0]] = 0.0
     return out
 
 
@@ -379,17 +408,23 @@ def instr_bytes(i: Instr, shapes: dict, hbm_only: bool = True, comps: dict | Non
         est = _cost_estimate(i.attrs)
         if "bytes_accessed" in est:
             return est["bytes_accessed"]
-    partial = {}
+    partial, written = {}, None
     if i.opcode in _SLICING:
         partial = {0: shape_bytes(i.shape)}
+    elif i.opcode == "dynamic-update-slice" and len(i.operands) > 1:
+        partial, written = {0: 0.0}, shape_bytes(shapes.get(i.operands[1], ""), hbm_only)
     elif i.opcode == "fusion" and comps is not None:
         callee = _attr_names(i.attrs, "calls")
         if callee and callee[0] in comps:
-            partial = _partial_reads(comps[callee[0]])
+            partial = _partial_reads(comps[callee[0]], comps)
+            update = _in_place_update(comps[callee[0]])
+            written = update[1] if update is not None else None
     reads = 0.0
     for pos, o in enumerate(i.operands):
         full = shape_bytes(shapes.get(o, ""), hbm_only)
         reads += min(full, partial[pos]) if pos in partial and full else full
+    if written is not None and shape_bytes(i.shape, hbm_only):
+        return reads + min(written, shape_bytes(i.shape, hbm_only))
     out = i.shape
     if i.opcode.endswith("-start") and out.startswith("("):
         # async start: (operands..., destination, context): the destination is written,

@@ -1,21 +1,15 @@
 """Grouped matmul for dropless MoE: rows sorted by expert, each group times its own weight.
 
 `grouped_matmul(x, w, group_sizes)` has `jax.lax.ragged_dot`'s contract. TPU and GPU run
-`ragged_dot` itself. On TPU its weight gradient goes to megablox's `tgmm` kernel (bundled
-with JAX): XLA:TPU lowers ragged_dot's own transpose for the weights to a dense, masked
-product over every local expert (14× the FLOPs on v5p-1024 for K3: 86 % of the compiled
-train step's matmul FLOPs, found by `k3jax compile`). XLA:CPU lowers `ragged_dot` to a dense product of every row with
+`ragged_dot` itself; XLA:CPU lowers `ragged_dot` to a dense product of every row with
 every expert's weight, masked afterwards (E× the FLOPs: 896× for K3), so CPU gets a tiled
 form instead — each group padded to whole row tiles, one [tile, D] × [D, F] product per
 tile with that tile's expert weight, padding at most one partial tile per group.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _HI = jax.lax.Precision.HIGHEST
 _MAX_TILE = 128
@@ -77,32 +71,5 @@ def grouped_matmul(x, w, group_sizes):
     return jax.lax.platform_dependent(
         x, w, group_sizes,
         cpu=lambda x, w, s: _tiled(x, w, s, tile),
-        tpu=lambda x, w, s: ragged_dot_tgmm(x, w, s, prec, False),
         default=lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=prec),
     )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ragged_dot_tgmm(x, w, group_sizes, precision=None, interpret: bool = False):
-    """`ragged_dot` whose weight gradient is megablox's transposed grouped matmul (`tgmm`:
-    each group's rows only). `interpret`: run the kernel in Pallas interpret mode (CPU)."""
-    return jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
-
-
-def _tgmm_fwd(x, w, group_sizes, precision, interpret):
-    return ragged_dot_tgmm(x, w, group_sizes, precision, interpret), (x, w, group_sizes)
-
-
-def _tgmm_bwd(precision, interpret, res, dy):
-    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
-    x, w, sizes = res
-    dx = jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes, precision=precision)
-    M, tm = x.shape[0], 128
-    pad = -M % tm        # rows past sum(sizes) belong to no group: zero rows change nothing
-    xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy))
-    dw = tgmm(xp.swapaxes(0, 1), dyp.astype(x.dtype), sizes.astype(jnp.int32), jnp.float32,
-              (tm, 128, 128), num_actual_groups=w.shape[0], interpret=interpret)
-    return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
-
-
-ragged_dot_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)

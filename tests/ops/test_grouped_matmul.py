@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.grouped_matmul import _tiled, grouped_matmul, ragged_dot_tgmm, tile_rows
+from k3jax.ops.grouped_matmul import _tiled, grouped_matmul, tile_rows
 from reference import grouped_matmul_ref
 
 
@@ -29,21 +29,13 @@ def test_tiled_matches_per_row_reference(m, sizes):
     np.testing.assert_allclose(np.asarray(grouped_matmul(x, w, s)), grouped_matmul_ref(x, w, s), rtol=1e-5, atol=1e-5)
 
 
-def _tpu_form(x, w, s):
-    """TPU's form (ragged_dot, weight gradient by megablox tgmm) in Pallas interpret mode."""
-    return ragged_dot_tgmm(x, w, s, jax.lax.Precision.HIGHEST, True)
-
-
-@pytest.mark.parametrize("form", ["cpu", "tpu"])
-def test_gradients_match_reference(form):
-    # 50 rows: not a whole 128-row tgmm tile; 16 x 12 weights: partial 128-wide tiles
+def test_gradients_match_reference():
     m, sizes = 50, np.array([20, 0, 9, 13], np.int32)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((m, 16)).astype(np.float32)
     w = rng.standard_normal((4, 16, 12)).astype(np.float32)
     ct = rng.standard_normal((m, 12)).astype(np.float32)
-    f = grouped_matmul if form == "cpu" else _tpu_form
-    dx, dw = jax.grad(lambda x, w: jnp.sum(f(x, w, sizes) * ct), argnums=(0, 1))(x, w)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes) * ct), argnums=(0, 1))(x, w)
     # d/dx row r = ct_r w_gᵀ; d/dw_e = Σ_{r in e} x_rᵀ ct_r; rows past the groups get 0.
     want_dx = np.zeros_like(x, np.float64)
     want_dw = np.zeros_like(w, np.float64)
@@ -54,15 +46,3 @@ def test_gradients_match_reference(form):
         r += n
     np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
-
-
-def test_tpu_weight_gradient_is_the_grouped_kernel():
-    # XLA:TPU turns ragged_dot's own weight transpose into a dense product over every
-    # expert; the TPU branch's backward must be megablox's tgmm (a Mosaic call) instead
-    x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
-    s = jnp.array([64, 0, 100, 50], jnp.int32)
-    loss = lambda x, w: jnp.sum(grouped_matmul(x, w, s).astype(jnp.float32))
-    dw_only = jax.export.export(jax.jit(jax.grad(loss, argnums=1)), platforms=["tpu"])(x, w).mlir_module()
-    assert "tpu_custom_call" in dw_only and "ragged_dot" not in dw_only
-    both = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["tpu"])(x, w).mlir_module()
-    assert "tpu_custom_call" in both and "ragged_dot" in both     # dx stays ragged_dot
