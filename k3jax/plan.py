@@ -256,7 +256,11 @@ def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: i
     seqs = batch / _shards(preset.rules, sizes, ("batch",))
     n_kda, n_mla = cfg.layer_kinds.count("kda"), cfg.layer_kinds.count("mla")
     H, d = cfg.kda_num_heads, cfg.kda_head_dim
-    tp = _shards(preset.rules, sizes, ("heads",)) if H % _shards(preset.rules, sizes, ("heads",)) == 0 else 1
+    # heads over the axes that divide them, as the caches are placed (mesh.fit_spec: 96
+    # heads over expert 32 x tensor 4 split 32 ways, not 128 and not 1)
+    from k3jax.mesh import fit_spec
+    heads = fit_spec((H,), jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(("heads",), preset.rules)), sizes)
+    tp = _sizes(tuple(heads), sizes)
     kda_state = n_kda * H * d * d * 4 / tp                                     # fp32 S per layer
     conv = n_kda * 3 * (cfg.short_conv_kernel_size - 1) * H * d * 2 / tp       # bf16 conv tails
     mla = n_mla * cfg.mla_cache_dim * opt.seq * 2                              # bf16 latent KV, one shared head

@@ -169,10 +169,34 @@ def param_table() -> str:
     return "\n".join(lines)
 
 
+# README "LoRA on the MXFP4 release": (mesh, label, extra planner flags)
+LORA_ROWS = [
+    ("b300x8", "b300x8 (train layout b300x8_train)", "8 × B300", ()),
+    ("h200x16_train", "h200x16_train", "16 × H200", ("--lora-expert-rank", "4")),
+    ("h200x16_train", "h200x16_train", "16 × H200", ("--lora-expert-mode", "shared_a")),
+    ("h200x16_train", "h200x16_train", "16 × H200", ()),
+    ("v5p-512", "v5p-512", "256", ()),
+    ("v5p-1024", "v5p-1024", "512", ()),
+]
+LORA_FLAGS = ("--mode", "train", "--expert-format", "mxfp4", "--lora-rank", "16", "--batch", "8", "--seq", "4096")
+
+
+def lora_table() -> str:
+    lines = ["| mesh | devices | extra flags | params | grads | optimizer | activations | total | HBM | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mesh, label, devices, extra in LORA_ROWS:
+        p = _json("plan", "configs/k3.yaml", "--mesh", mesh, *LORA_FLAGS, *extra)
+        b = p["bytes_per_device"]
+        flags = f"`{' '.join(extra)}`" if extra else ""
+        lines.append(f"| {label} | {devices} | {flags} | {_g(b['params'])} | {_g(b['grads'])} | {_g(b['optimizer'])} | "
+                     f"{_g(b['activations'])} | {_g(b['total'])} GiB | {p['hbm_bytes'] / GIB:.0f} | {_fits(p)} |")
+    return "\n".join(lines)
+
+
 def blocks() -> dict[str, dict[str, str]]:
     """{file: {block name: text}} for every generated block."""
     rows = [(r, plan_row(*r)) for r in PLAN_ROWS]
-    return {"README.md": {"params": param_table(), "plan-summary": plan_summary(rows)},
+    return {"README.md": {"params": param_table(), "plan-summary": plan_summary(rows), "lora-plan": lora_table()},
             "launch/README.md": {"presets": preset_table(), "ep-buffer": ep_buffer(),
                                  "plan-k3": plan_table(rows), "plan-summary": plan_summary(rows)}}
 

@@ -159,3 +159,13 @@ def test_zero3_gathers_one_layer_and_the_lm_head():
     assert infer["gathered_layer"] >= experts
     serve = act("b300x8", "infer")
     assert serve["gathered_layer"] == 0 and serve["lm_head_table"] == 0
+
+
+def test_cache_heads_split_as_far_as_they_divide(tmp_path):
+    # serving rules put heads over [expert, tensor]; the toy's 4 KDA heads divide expert 2
+    # but not expert 2 x tensor 4, so the state is placed 2 ways (mesh.fit_spec), as
+    # K3's 96 heads split 32 ways on v5p-256-serve (XLA's caches there: 7.16 GiB)
+    (tmp_path / "serve_e2_t4.yaml").write_text("ici: {expert: 2, tensor: 4}\nrules: serve\n")
+    cfg = load("toy")
+    inf = plan(cfg, load_preset(str(tmp_path / "serve_e2_t4.yaml")), PlanOptions(mode="infer", batch=3, seq=64), 1)
+    assert inf["detail"]["caches"]["kda_state"] == 3 * 9 * 4 * 16 * 16 * 4 // 2
