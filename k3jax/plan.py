@@ -193,16 +193,31 @@ def saved_carry_values(cfg: ModelConfig) -> int:
     return D * cfg.num_hidden_layers + cfg.max_attn_res_blocks * D * stacks + D * plan.n_groups * pushes
 
 
-def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int) -> float:
-    """Values per device of one 'ep' exchange's worst-case buffers: the receive rows and their
-    results ([rows, latent] each) and the expert FFN's gate, up and activation over them
-    ([rows, hidden / tp]), for the chunk `ops.moe_dispatch.ep_chunks` gives."""
+def ep_rows(cfg: ModelConfig, tokens: float, P: int, width: int) -> int:
+    """Rows of one 'ep' exchange's worst-case receive buffer, for the chunk
+    `ops.moe_dispatch.ep_chunks` gives."""
     from k3jax.ops.moe_dispatch import ep_chunks, ep_receive_rows
     n = max(int(math.ceil(tokens)), 1)
     k, H = cfg.num_experts_per_token, cfg.moe_hidden_size
     chunk = -(-n // ep_chunks(n, k, P, H, width, cfg))
-    rows = ep_receive_rows(chunk * k, P, cfg.runtime.ep_capacity_factor)
-    return rows * (2 * H + 3 * cfg.moe_intermediate_size / tp)
+    return ep_receive_rows(chunk * k, P, cfg.runtime.ep_capacity_factor)
+
+
+def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int, train: bool = False) -> float:
+    """Values per device of one 'ep' exchange's worst-case buffers: the receive rows and their
+    results ([rows, latent] each) and the expert FFN's gate, up and activation over them
+    ([rows, hidden / tp]). In training the backward of a (rematerialised) chunk holds those
+    recomputed and their cotangents, twice as many; LoRA on the routed experts adds its
+    deltas' outputs ([rows, hidden / tp] for w1 / w3, [rows, latent] for w2). Both were
+    read off the compiled K3 train steps' peaks (launch/README.md §3)."""
+    rows = ep_rows(cfg, tokens, P, width)
+    H, F = cfg.moe_hidden_size, cfg.moe_intermediate_size
+    values = rows * (2 * H + 3 * F / tp) * (2 if train else 1)
+    spec = cfg.runtime.lora
+    if train and spec is not None:
+        adapted = {t.rsplit("/", 1)[-1] for t in spec.targets if t.startswith("block_sparse_moe/w")}
+        values += rows * (F / tp * len(adapted & {"w1", "w3"}) + H * len(adapted & {"w2"}))
+    return values
 
 
 def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:
@@ -229,8 +244,8 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     P = sizes.get("expert", 1)
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
-        run = cfg.with_runtime(ep_capacity_factor=opt.ep_capacity_factor)
-        moe_buffer = moe_buffer_values(run, tokens, P, tp, width) * width
+        run = run_config(cfg, opt).with_runtime(ep_capacity_factor=opt.ep_capacity_factor)
+        moe_buffer = moe_buffer_values(run, tokens, P, tp, width, train=opt.mode == "train") * width
     vocab_local = cfg.vocab_size / _shards(rules, sizes, ("vocab",))
     logits = 2 * tokens * vocab_local * 4   # fp32 logits + grad
     # TokenEmbed gathers the embed-sharded table for the lookup, and in training the lookup's

@@ -178,7 +178,8 @@ LORA_ROWS = [
     ("v5p-512", "v5p-512", "256", ()),
     ("v5p-1024", "v5p-1024", "512", ()),
 ]
-LORA_FLAGS = ("--mode", "train", "--expert-format", "mxfp4", "--lora-rank", "16", "--batch", "8", "--seq", "4096")
+LORA_FLAGS = ("--mode", "train", "--expert-format", "mxfp4", "--lora-rank", "16", "--batch", "8", "--seq", "4096",
+              "--ep-buffer-mib", "256")
 
 
 def lora_table() -> str:

@@ -79,7 +79,8 @@ def test_ep_capacity_sizes_the_moe_buffer(capsys):
     assert buffer("--ep-buffer-mib", "0", "--ep-capacity", "100") == dropless
     # chunked: the receive rows ([rows, latent] bf16) are the budget's at most
     cfg = load("configs/k3.yaml")
-    per_row = 2 * cfg.moe_hidden_size + 3 * cfg.moe_intermediate_size    # no tensor axis
+    # no tensor axis; training: the backward holds the recomputed buffers and their cotangents
+    per_row = 2 * (2 * cfg.moe_hidden_size + 3 * cfg.moe_intermediate_size)
     chunked_rows = buffer("--ep-buffer-mib", "256") / 2 / per_row
     assert chunked_rows * cfg.moe_hidden_size * 2 <= 256 * 2**20 < dropless / 2 / per_row * cfg.moe_hidden_size * 2
 
@@ -169,3 +170,22 @@ def test_cache_heads_split_as_far_as_they_divide(tmp_path):
     cfg = load("toy")
     inf = plan(cfg, load_preset(str(tmp_path / "serve_e2_t4.yaml")), PlanOptions(mode="infer", batch=3, seq=64), 1)
     assert inf["detail"]["caches"]["kda_state"] == 3 * 9 * 4 * 16 * 16 * 4 // 2
+
+
+def test_training_ep_buffers_hold_the_backward_and_the_expert_adapters():
+    """A rematerialised exchange chunk's backward holds its recomputed buffers and their
+    cotangents (2x serving's); LoRA on the routed experts adds its deltas' outputs."""
+    from k3jax.plan import ep_rows
+    cfg = load("toy")
+    preset = load_preset("data2_fsdp2_expert2")
+    opts = dict(batch=8, seq=64, param_dtype="bfloat16")
+    moe = lambda **kw: plan(cfg, preset, PlanOptions(**opts, **kw), 1)["detail"]["activations"]["moe_buffer"]  # noqa: E731
+    H, F = cfg.moe_hidden_size, cfg.moe_intermediate_size
+    tokens = 8 * 64 / 8                                   # batch over data x fsdp x expert
+    rows = ep_rows(cfg, tokens, 2, 2)
+    assert moe(mode="infer", prefill_chunk=tokens) == rows * (2 * H + 3 * F) * 2
+    assert moe(mode="train") == 2 * rows * (2 * H + 3 * F) * 2
+    attention_only = moe(mode="train", lora_rank=4, lora_targets=("*/self_attn/*_proj",))
+    with_experts = moe(mode="train", lora_rank=4)
+    assert attention_only == moe(mode="train")
+    assert with_experts - attention_only == rows * (2 * F + H) * 2

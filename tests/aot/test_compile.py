@@ -78,6 +78,64 @@ def test_hlo_totals_count_every_loop_iteration():
     assert t.hbm_bytes == 5 * body + 6 * (1 + 2 * 4) + matmul_io
 
 
+# A decode step's chosen expert copied out of a [4, 64, 32] stack into a [2, 64, 32] buffer
+# in place (a fusion whose root is a dynamic-update-slice of its parameter 0), and a fusion
+# that reads one layer of a stacked cache through a nested fusion's dynamic slice.
+IN_PLACE = """HloModule m, entry_computation_layout={()->f32[2]}
+
+%copy_one (b: bf16[2,64,32], w: bf16[4,64,32], i: s32[]) -> bf16[2,64,32] {
+  %b = bf16[2,64,32]{2,1,0} parameter(0)
+  %w = bf16[4,64,32]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %e = bf16[1,64,32]{2,1,0} dynamic-slice(%w, %i, %z, %z), dynamic_slice_sizes={1,64,32}
+  %one = s32[] constant(1)
+  ROOT %u = bf16[2,64,32]{2,1,0} dynamic-update-slice(%b, %e, %one, %z, %z)
+}
+
+%layer (c: f32[3,8,16], j: s32[]) -> f32[8,16] {
+  %c = f32[3,8,16]{2,1,0} parameter(0)
+  %j = s32[] parameter(1)
+  %z.1 = s32[] constant(0)
+  %d = f32[1,8,16]{2,1,0} dynamic-slice(%c, %j, %z.1, %z.1), dynamic_slice_sizes={1,8,16}
+  ROOT %r = f32[8,16]{1,0} bitcast(%d)
+}
+
+%score (c.1: f32[3,8,16], j.1: s32[]) -> f32[2] {
+  %c.1 = f32[3,8,16]{2,1,0} parameter(0)
+  %j.1 = s32[] parameter(1)
+  %l = f32[8,16]{1,0} fusion(%c.1, %j.1), kind=kLoop, calls=%layer
+  %zero = f32[] constant(0)
+  %s = f32[8]{0} reduce(%l, %zero), dimensions={1}, to_apply=%add
+  ROOT %h = f32[2]{0} slice(%s), slice={[0:2]}
+}
+
+%add (a: f32[], b.1: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b.1)
+}
+
+ENTRY %main () -> f32[2] {
+  %buf = bf16[2,64,32]{2,1,0} constant({...})
+  %stack = bf16[4,64,32]{2,1,0} constant({...})
+  %k = s32[] constant(3)
+  %out = bf16[2,64,32]{2,1,0} fusion(%buf, %stack, %k), kind=kLoop, calls=%copy_one
+  %cache = f32[3,8,16]{2,1,0} constant({...})
+  ROOT %sc = f32[2]{0} fusion(%cache, %k), kind=kLoop, calls=%score
+}
+"""
+
+
+def test_in_place_updates_and_nested_slices_count_what_they_touch():
+    comps, entry = hlo.parse(IN_PLACE)
+    shapes = comps[entry].shapes()
+    by = {i.name: hlo.instr_bytes(i, shapes, comps=comps) for i in comps[entry].instrs}
+    expert = 64 * 32 * 2
+    assert by["out"] == expert + expert + 4          # one expert read, one written; the index
+    assert by["sc"] == 8 * 16 * 4 + 4 + 2 * 4        # one layer of the cache, the index, the result
+
+
 def test_hlo_replica_group_spellings():
     assert hlo.group_size("replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}") == 4
     assert hlo.group_size("replica_groups=[64,8]<=[512], dimensions={0}") == 8
