@@ -161,12 +161,14 @@ def preset_for(preset_or_path, mode: str, batch: int | None = None, n_devices: i
     return preset
 
 
+def logical_shards(rules, sizes: dict, logical: tuple[str, ...]) -> int:
+    """How many ways `rules` split the logical axes `logical` over mesh axes of `sizes`."""
+    return math.prod(sizes[a] for axes in nn.logical_to_mesh_axes(logical, rules) for a in entry_axes(axes))
+
+
 def batch_shards(preset: MeshPreset, n_devices: int | None = None) -> int:
     """How many ways the preset's rules split a batch's sequences."""
-    sizes = preset.shape(n_devices)
-    axes = nn.logical_to_mesh_axes(("batch",), preset.rules)[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(sizes.get(a, 1) for a in axes)
+    return logical_shards(preset.rules, preset.shape(n_devices), ("batch",))
 
 
 def _device_grid(preset: MeshPreset, devices, physical: bool) -> np.ndarray:

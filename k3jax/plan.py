@@ -16,7 +16,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.sharding import MeshPreset, entry_axes, param_specs
+from k3jax.sharding import MeshPreset, entry_axes, fit_spec, logical_shards, param_specs
 
 GIB = 1 << 30
 
@@ -140,10 +140,6 @@ def gathered_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> di
     return {"layer": int(layer * (2 if trained else 1)), "lm_head": int(lm_head)}
 
 
-def _shards(rules, sizes: dict, logical: tuple[str, ...]) -> int:
-    return _sizes(tuple(nn.logical_to_mesh_axes(logical, rules)), sizes)
-
-
 def layer_values(cfg: ModelConfig, kind: tuple[str, str], T: int, tp: int) -> dict:
     """Values kept per token by one layer: {'dots': matmul outputs, 'all': everything}
     ('all' adds elementwise results, norms, attention probabilities and KDA chunk states).
@@ -224,11 +220,11 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     """Estimated per-device activation bytes: saved for backward plus one layer's peak."""
     sizes = preset.shape(opt.devices)
     rules = preset.rules
-    tokens = batch * opt.seq / _shards(rules, sizes, ("batch", "length"))
+    tokens = batch * opt.seq / logical_shards(rules, sizes, ("batch", "length"))
     if opt.mode == "infer":
         tokens = min(tokens, opt.prefill_chunk)     # prefill runs in chunks; decode is 1 token
-    tp = _shards(rules, sizes, ("heads",))
-    T_local = opt.seq / _shards(rules, sizes, ("length",))
+    tp = logical_shards(rules, sizes, ("heads",))
+    T_local = opt.seq / logical_shards(rules, sizes, ("length",))
     kinds = list(zip(cfg.layer_kinds, cfg.ffn_kinds))
     width = np.dtype(cfg.runtime.dtype if opt.param_dtype == "float32" else "bfloat16").itemsize
     per_layer = [layer_values(cfg, kd, T_local, tp) for kd in kinds]
@@ -246,12 +242,12 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
         run = run_config(cfg, opt).with_runtime(ep_capacity_factor=opt.ep_capacity_factor)
         moe_buffer = moe_buffer_values(run, tokens, P, tp, width, train=opt.mode == "train") * width
-    vocab_local = cfg.vocab_size / _shards(rules, sizes, ("vocab",))
+    vocab_local = cfg.vocab_size / logical_shards(rules, sizes, ("vocab",))
     logits = 2 * tokens * vocab_local * 4   # fp32 logits + grad
     # TokenEmbed gathers the embed-sharded table for the lookup, and in training the lookup's
     # backward scatter-adds into a whole fp32 table before it reduces onto the shards.
     embed_table = 0
-    if _shards(rules, sizes, ("embed",)) > 1:
+    if logical_shards(rules, sizes, ("embed",)) > 1:
         trained = opt.mode == "train" and not opt.lora_rank and not any(
             fnmatch.fnmatchcase("embed_tokens/embedding", g) for g in opt.freeze)
         embed_table = vocab_local * cfg.hidden_size * (width + (4 if trained else 0))
@@ -268,12 +264,11 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
 def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:
     """Per-device inference caches for `batch` sequences of `seq` tokens."""
     sizes = preset.shape(opt.devices)
-    seqs = batch / _shards(preset.rules, sizes, ("batch",))
+    seqs = batch / logical_shards(preset.rules, sizes, ("batch",))
     n_kda, n_mla = cfg.layer_kinds.count("kda"), cfg.layer_kinds.count("mla")
     H, d = cfg.kda_num_heads, cfg.kda_head_dim
     # heads over the axes that divide them, as the caches are placed (mesh.fit_spec: 96
     # heads over expert 32 x tensor 4 split 32 ways, not 128 and not 1)
-    from k3jax.mesh import fit_spec
     heads = fit_spec((H,), jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(("heads",), preset.rules)), sizes)
     tp = _sizes(tuple(heads), sizes)
     kda_state = n_kda * H * d * d * 4 / tp                                     # fp32 S per layer
@@ -290,7 +285,7 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
     if opt.mode == "train" and (preset.train_preset or preset.context_preset):
         preset = preset_for(preset.name, "train", opt.batch, opt.devices)
     sizes = preset.shape(opt.devices)
-    batch = opt.batch or _shards(preset.rules, sizes, ("batch",))
+    batch = opt.batch or logical_shards(preset.rules, sizes, ("batch",))
     state = state_bytes(cfg, preset, opt)
     act = activation_bytes(cfg, preset, opt, batch)
     caches = cache_bytes(cfg, preset, opt, batch)

@@ -11,7 +11,8 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.mesh import (AXES, LOGICAL_AXES, MESH_DIR, MeshPreset, active_mesh_axes, batch_sharding,  # noqa: F401
-                        entry_axes, fit_spec, load_mesh, load_preset, preset_for, use_mesh)
+                        entry_axes, fit_spec, load_mesh, load_preset, logical_shards, preset_for,
+                        use_mesh)
 from k3jax.config import ConfigError
 from k3jax.model import abstract_variables, init_params
 

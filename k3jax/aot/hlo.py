@@ -368,11 +368,12 @@ def _in_place_update(comp: Computation) -> tuple[int, float] | None:
     return params[root.operands[0]], shape_bytes(comp.shapes().get(root.operands[1], ""))
 
 
-def _partial_reads(comp: Computation, comps: dict | None = None) -> dict[int, float]:
+def _partial_reads(comp: Computation, comps: dict | None = None, in_place: bool = True) -> dict[int, float]:
     """For a fused computation: parameter number -> bytes read, for parameters every user
     of which only slices or gathers from them (the rest of such an operand is never read;
-    a nested fusion's user counts by what it reads of that operand), and the buffer an
-    in-place update writes into (`_in_place_update`: none of it)."""
+    a nested fusion's user counts by what it slices of that operand), and, for a top-level
+    fusion (`in_place`), the buffer an in-place update writes into (`_in_place_update`:
+    none of it)."""
     params = {i.name: int(i.args.strip() or 0) for i in comp.instrs if i.opcode == "parameter"}
     users: dict[str, list[Instr]] = {}
     for i in comp.instrs:
@@ -387,13 +388,13 @@ def _partial_reads(comp: Computation, comps: dict | None = None) -> dict[int, fl
                 read += shape_bytes(u.shape)
                 continue
             callee = _attr_names(u.attrs, "calls") if u.opcode == "fusion" and comps else []
-            inner = _partial_reads(comps[callee[0]], comps) if callee and callee[0] in comps else {}
+            inner = _partial_reads(comps[callee[0]], comps, False) if callee and callee[0] in comps else {}
             if pos not in inner:
                 break
             read += inner[pos]
         else:
             out[params[name]] = read
-    update = _in_place_update(comp)
+    update = _in_place_update(comp) if in_place else None
     if update is not None:
         out[update[0]] = 0.0
     return out

@@ -65,17 +65,15 @@ def abstract_params(cfg, mesh, rules):
 def default_batch(preset, opt: PlanOptions, n_devices: int) -> int:
     """The planner's default: one sequence per batch shard."""
     sizes = preset.shape(n_devices)
-    from k3jax.plan import _shards
-    return opt.batch or _shards(preset.rules, sizes, ("batch",))
+    return opt.batch or sharding.logical_shards(preset.rules, sizes, ("batch",))
 
 
 def check_layout(preset, n_devices: int, batch: int, seq: int):
     """The batch [batch, seq] must split evenly over the axes the rules give batch and
     length (a sharded input cannot be padded); say which preset settings would."""
-    from k3jax.plan import _shards
     sizes = preset.shape(n_devices)
     for what, n, logical in (("batch", batch, "batch"), ("seq", seq, "length")):
-        ways = _shards(preset.rules, sizes, (logical,))
+        ways = sharding.logical_shards(preset.rules, sizes, (logical,))
         if n % ways:
             hint = (" (or a preset that splits each sequence over a context axis, e.g. v5p-1024-cp4)"
                     if what == "batch" else "")
@@ -154,8 +152,7 @@ def serve_config(k3: K3Config, opt: PlanOptions, runtime: dict | None = None):
 def prefill_tokens(preset, opt: PlanOptions, batch: int, n_devices: int) -> int:
     """Tokens per sequence of one prefill chunk: `opt.prefill_chunk` tokens per device (the
     planner's), spread over the sequences a device holds."""
-    from k3jax.plan import _shards
-    per_device_rows = max(1, batch // _shards(preset.rules, preset.shape(n_devices), ("batch",)))
+    per_device_rows = max(1, batch // sharding.logical_shards(preset.rules, preset.shape(n_devices), ("batch",)))
     return max(1, opt.prefill_chunk // per_device_rows)
 
 
