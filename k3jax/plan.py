@@ -237,11 +237,14 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     # of every peer (P × tokens × k rows); with a capacity factor c, c × tokens × k rows;
     # either way a device's tokens go through in chunks that keep the receive buffer
     # within RuntimeOptions.ep_buffer_mib (layers/moe.py).
-    P = sizes.get("expert", 1)
+    # Only where the rules split the experts over `expert` (v5p-256-decode splits each
+    # expert's hidden instead, and its MoE runs 'ragged' / 'gather', with no exchange).
+    P = logical_shards(rules, sizes, ("expert",))
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
         run = run_config(cfg, opt).with_runtime(ep_capacity_factor=opt.ep_capacity_factor)
-        moe_buffer = moe_buffer_values(run, tokens, P, tp, width, train=opt.mode == "train") * width
+        hidden_tp = logical_shards(rules, sizes, ("expert_mlp",))
+        moe_buffer = moe_buffer_values(run, tokens, P, hidden_tp, width, train=opt.mode == "train") * width
     vocab_local = cfg.vocab_size / logical_shards(rules, sizes, ("vocab",))
     logits = 2 * tokens * vocab_local * 4   # fp32 logits + grad
     # TokenEmbed gathers the embed-sharded table for the lookup, and in training the lookup's

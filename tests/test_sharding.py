@@ -172,12 +172,14 @@ def test_ep_dispatch_dropless_skewed(mode):
         assert rel(a, b) < TOL
 
 
-@pytest.mark.parametrize("preset,N", [("data8", 24), ("fsdp2_expert2_tensor2", 21)])
+@pytest.mark.parametrize("preset,N", [("data8", 24), ("fsdp2_expert2_tensor2", 21), ("expert_hidden8", 10)])
 def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     """Under a mesh 'ragged' sorts and multiplies each device's own tokens (every expert's
-    weights on every device, their hidden split over tensor): left to XLA's partitioner
-    every device sorted and ran the whole batch. Router top_k too. Values and gradients
-    equal `dense`, with a token count the shards do not divide (21 over 4: padded)."""
+    weights on every device, their hidden split as the rules split `expert_mlp`): left to
+    XLA's partitioner every device sorted and ran the whole batch. Router top_k too. Values
+    and gradients equal `dense`, with a token count the shards do not divide (21 over 4:
+    padded), and with each expert's hidden over all 8 devices (expert_hidden8: no token
+    split, one psum over both axes)."""
     cfg = load("toy")
     E, H, F, k = 8, 8, 8, 2
     r = np.random.default_rng(2)
@@ -201,7 +203,7 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     mesh, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ragged)))(z, gate, w1, w2, w3)
-    shards = 8 if preset == "data8" else 4                 # fsdp2_expert2: batch over fsdp, expert
+    shards = {"data8": 8, "expert_hidden8": 1}.get(preset, 4)   # fsdp2_expert2: batch over fsdp, expert
     assert rows == {-(-N // shards) * k}
     assert topk_rows == ({N // shards} if N % shards == 0 else {N})  # undivided: top_k replicated
     assert rel(y, y0) < TOL
@@ -420,27 +422,31 @@ def test_rules_tables_are_shared_and_overridden(tmp_path):
         sharding.load_preset(str(tmp_path / "t.yaml"))
 
 
-def test_every_preset_splits_the_routed_experts_over_the_expert_axis():
-    """K3's routed expert stacks on every preset: the expert dim over `expert` wherever that
-    axis is > 1 (the 'ep' dispatch's shard_map expects them there). The inference presets
-    once split the experts' hidden over it instead, silently: their `mlp: expert` rule was
-    applied to the experts' hidden before `expert: expert` could apply."""
+def test_every_preset_splits_the_routed_experts_as_its_rules_say():
+    """K3's routed expert stacks on every preset: the expert dim over exactly the mesh axes
+    of the `expert` rule and the hidden over those of `expert_mlp` (the MoE dispatches'
+    shard_maps read both from the rules and expect the weights there). The inference
+    presets once split the experts' hidden over `expert` instead, silently: their
+    `mlp: expert` rule was applied to the experts' hidden before `expert: expert` could."""
     from k3jax.layout import stacked_axes
     from k3jax.model import abstract_params
     boxed = abstract_params(load("k3"))
     for path in sorted(glob.glob(os.path.join(sharding.MESH_DIR, "*.yaml"))):
         preset = sharding.load_preset(path)
         sizes = preset.shape(None if -1 not in preset.ici.values() else 1024)
+        rule = dict(preset.rules)
+        split = lambda entry: tuple(a for a in sharding.entry_axes(entry) if sizes[a] > 1)  # noqa: E731 (size 1 splits nothing)
         specs = sharding.param_specs(boxed, preset.rules, sizes)
         checked, routers = 0, 0
         for p, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
             keys = [k.key for k in p]
             routers += keys[-1] == "gate" and "block_sparse_moe" in keys
             if keys[-1] in ("w1", "w2", "w3") and "block_sparse_moe" in keys:
-                dims = [sharding.entry_axes(e) for e in tuple(spec)]
-                on_expert = [i for i, axes in enumerate(dims) if "expert" in axes]
-                want = [stacked_axes(keys)] if sizes["expert"] > 1 else on_expert   # a size-1 axis splits nothing
-                assert on_expert == want, (preset.name, keys, spec)
+                e = stacked_axes(keys)
+                dims = [split(x) for x in tuple(spec) + (None,) * (e + 3 - len(spec))]
+                hidden = e + (1 if keys[-1] == "w2" else 2)
+                assert dims[e] == split(rule["expert"]) and dims[hidden] == split(rule["expert_mlp"]), \
+                    (preset.name, keys, spec)
                 checked += 1
         assert checked == 3 * routers > 0, (preset.name, checked, routers)   # w1/w2/w3 of every MoE
 
@@ -455,12 +461,25 @@ def test_a_rule_that_cannot_apply_is_named():
         sharding.param_specs(abstract_params(load("toy")), rules, preset.shape())
 
 
-def test_auto_dispatch_is_ep_exactly_where_the_mesh_has_an_expert_axis():
-    cfg = load("toy")
+def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the_experts():
+    """'auto': 'gather' for a step with fewer (token, expert) pairs than a device holds
+    experts, else 'ep' exactly where the rules split the experts over the `expert` axis."""
+    cfg = load("toy")                                       # 8 experts
     assert cfg.runtime.moe_dispatch == "auto" and md.dispatch_name(cfg) == "ragged"
-    for preset, want in (("expert8", "ep"), ("data8", "ragged"), ("fsdp2_expert2_tensor2", "ep")):
+    assert md.dispatch_name(cfg, pairs=7) == "gather" and md.dispatch_name(cfg, pairs=8) == "ragged"
+    for preset, want, local in (("expert8", "ep", 1), ("data8", "ragged", 8), ("fsdp2_expert2_tensor2", "ep", 4),
+                                ("expert_hidden8", "ragged", 8)):
         with sharding.use_mesh(*sharding.load_mesh(preset)):
-            assert md.dispatch_name(cfg) == want, preset
-            assert md.dispatch_name(cfg.with_runtime(moe_dispatch="dense")) == "dense"
+            assert md.dispatch_name(cfg) == want == md.dispatch_name(cfg, pairs=local), preset
+            assert local == 1 or md.dispatch_name(cfg, pairs=local - 1) == "gather", preset
+            assert md.dispatch_name(cfg.with_runtime(moe_dispatch="dense"), pairs=1) == "dense"
+            assert md.describe_dispatch(cfg) == f"{want} (auto; gather under {local} pairs)"
+    # 'ep' asked for where no device holds whole experts: said, not resharded in silence
+    E, H, F = 8, 8, 8
+    ws = {"w1": jnp.ones((E, H, F)), "w3": jnp.ones((E, H, F)), "w2": jnp.ones((E, F, H))}
+    with sharding.use_mesh(*sharding.load_mesh("expert_hidden8")):
+        with pytest.raises(ConfigError, match="rules split the experts over no axis"):
+            md.experts_ep(cfg, lambda g, u: g * u, jnp.ones((4, H)), jnp.zeros((4, 2), jnp.int32),
+                          jnp.ones((4, 2)), ws, {})
     with pytest.raises(ConfigError, match="ep_exchange"):
         load("toy", ep_exchange="fast")

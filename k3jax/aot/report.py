@@ -113,13 +113,13 @@ def compile_figures(k3, preset: str, devices, opt, mode: str, overrides=None, de
     import dataclasses
     full = depth_mod.group_count(k3.text)
     if depths is None:
-        log(f"compiling {k3.text.num_hidden_layers} layers ({full} scanned groups)")
+        log(f"compiling {k3.text.num_hidden_layers} layers ({full} repeated layer groups)")
         figs = dict(_programs(k3, preset, devices, opt, mode, overrides, log))
         return {"programs": figs, "layers_compiled": [k3.text.num_hidden_layers], "extrapolated": False}
     runs = {}
     for n in depths:
         cfg = depth_mod.reduced(k3.text, n)
-        log(f"compiling {cfg.num_hidden_layers} layers ({n} of {full} scanned groups)")
+        log(f"compiling {cfg.num_hidden_layers} layers ({n} of {full} repeated layer groups)")
         runs[n] = dict(_programs(dataclasses.replace(k3, text=cfg), preset, devices, opt, mode, overrides, log))
         gc.collect()
     (n1, f1), (n2, f2) = runs.items()

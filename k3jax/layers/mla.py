@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import compute_dtype, dense, merged_kernel
+from k3jax.layers.common import compute_dtype, constrain, dense, merged_kernel
 from k3jax.layers.norms import RMSNorm
 
 
@@ -103,6 +103,9 @@ class GatedMLA(nn.Module):
         q = q.reshape(B, T, H, cfg.q_head_dim)
 
         ckv = dense(cfg, cfg.kv_lora_rank + dr, ("embed", "low_rank"), "kv_a_proj_with_mqa")(x)
+        # whole per token: the latent cache takes this layout, and split as a serving layout
+        # splits low_rank, every decode step all-gathered the whole cache (K3: 214 MB a layer)
+        ckv = constrain(ckv, ("batch", "length", None))
         c = RMSNorm(cfg.mla_norm_eps, "kv_lora", name="kv_a_layernorm")(ckv[..., :cfg.kv_lora_rank])
         k_r = ckv[..., cfg.kv_lora_rank:]
 

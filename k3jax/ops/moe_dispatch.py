@@ -7,8 +7,14 @@ oracle); `ragged` sorts the pairs by expert and runs one grouped matmul per weig
 device on its own tokens under a mesh; `ep` sends each pair to the device that owns its
 expert and runs the grouped matmuls there, dropless by default or with a receive capacity
 (`RuntimeOptions.ep_capacity_factor`); `gather` (decode) reads only the experts the step's
-few tokens chose. `auto` (the default) is `ep` where the context mesh has an expert axis,
-else `ragged`: the one place that rule lives.
+few tokens chose. `auto` (the default) is `gather` for a step with fewer (token, expert)
+pairs than a device holds experts (decode: it reads at most the pairs' experts, a grouped
+matmul every local one), else `ep` where the rules split the experts over an `expert` mesh
+axis, else `ragged`: the one place that rule lives (`dispatch_name`).
+
+Which mesh axes split what is read from the active rules, never assumed: the experts over
+the logical `expert` axis's mesh axes, their hidden over `expert_mlp`'s (as far as they
+divide), so the shard_maps here see each weight where the params already are.
 
 Every dispatch takes (cfg, act, z, idx, w, weights, adapters): `act(gate, up)` is the
 expert FFN's GLU activation, z [N, H] the latent tokens, idx/w [N, k] the routing.
@@ -23,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from k3jax.config import ConfigError, ModelConfig
-from k3jax.mesh import active_mesh_axes
+from k3jax.mesh import active_mesh_axes, entry_axes, fit_spec
 from k3jax.ops.experts import adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits, weight_spec
 from k3jax.ops.moe_gather import gather_local
 from k3jax.ops.platform import target_backend
@@ -37,9 +43,35 @@ _HIDDEN_IS_OUT = {"w1": True, "w3": True, "w2": False}
 
 def token_axes() -> tuple[str, ...]:
     """Mesh axes (size > 1) the MoE splits tokens over: those the active rules give
-    (batch, length), so tokens enter where the model already keeps them. Never `tensor`:
-    tensor shards share tokens and split the expert hidden."""
-    return tuple(a for a in active_mesh_axes(("batch", "length")) if a != "tensor")
+    (batch, length), so tokens enter where the model already keeps them. Never `tensor`
+    or an axis splitting the expert hidden: those shards share their tokens."""
+    hidden = ("tensor",) + active_mesh_axes(("expert_mlp",))
+    return tuple(a for a in active_mesh_axes(("batch", "length")) if a not in hidden)
+
+
+def _entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for these mesh axes (None for none)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def expert_axes(sizes: dict, num_experts: int) -> tuple[str, ...]:
+    """Mesh axes the active rules split the experts over, as far as they divide them (the
+    params' own placement, `mesh.fit_spec`)."""
+    if not sizes:
+        return ()
+    spec = fit_spec((num_experts,), PartitionSpec(_entry(active_mesh_axes(("expert",)))), sizes)
+    return entry_axes(spec[0])
+
+
+def _hidden_axes(sizes: dict, weights, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Mesh axes the active rules split the expert hidden over, as far as they split every
+    expert weight evenly (MXFP4: whole scale groups), less `exclude`."""
+    kept: list[str] = []
+    for a in active_mesh_axes(("expert_mlp",)) if sizes else ():
+        n = math.prod(sizes[b] for b in kept) * sizes[a]
+        if a not in exclude and all(hidden_splits(weights[r], _HIDDEN_IS_OUT[r], n) for r in ROLES):
+            kept.append(a)
+    return tuple(kept)
 
 
 
@@ -71,15 +103,16 @@ def _num_experts(weights) -> int:
     return jax.tree.leaves(weights["w1"])[0].shape[0]
 
 
-def _specs(weights, adapters, expert, tensor):
+def _specs(weights, adapters, expert_axes_: tuple[str, ...], hidden: tuple[str, ...]):
+    expert, tensor = _entry(expert_axes_), _entry(hidden)
     return ({r: weight_spec(weights[r], expert, tensor, _HIDDEN_IS_OUT[r]) for r in ROLES},
             {r: adapter_spec(ad, expert, tensor, _HIDDEN_IS_OUT[r]) for r, ad in adapters.items()})
 
 
-def _ragged_local(cfg: ModelConfig, act, tensor: str | None, z, idx, w, weights, adapters):
+def _ragged_local(cfg: ModelConfig, act, hidden: tuple[str, ...], z, idx, w, weights, adapters):
     """Sort (token, slot) pairs by expert, grouped matmuls, unsort, fp32 combine. Token
     ids >= E (padding) sort last, count for no expert and come out zero. With the expert
-    hidden split over `tensor`, each shard's w2 product is partial: summed there."""
+    hidden split over mesh axes `hidden`, each shard's w2 product is partial: summed there."""
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -88,14 +121,7 @@ def _ragged_local(cfg: ModelConfig, act, tensor: str | None, z, idx, w, weights,
     out = _ffn(cfg, act, rows, sizes, weights, adapters)
     unsorted = jnp.zeros_like(out).at[order].set(out)
     y = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
-    return jax.lax.psum(y, tensor) if tensor else y
-
-
-def _tensor_axis(sizes: dict, weights) -> str | None:
-    """`tensor` where it splits every expert weight's hidden evenly, else None (replicated)."""
-    t = sizes.get("tensor", 1)
-    ok = t > 1 and all(hidden_splits(weights[r], _HIDDEN_IS_OUT[r], t) for r in ROLES)
-    return "tensor" if ok else None
+    return jax.lax.psum(y, hidden) if hidden else y
 
 
 def _split_tokens(z, idx, w, shards: int, num_experts: int):
@@ -113,18 +139,19 @@ def _split_tokens(z, idx, w, shards: int, num_experts: int):
 def experts_ragged(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     """Dropless grouped matmuls over every expert. Under a mesh each device sorts and runs
     its own tokens (a shard_map over the token axes, every expert's weights on every
-    device, their hidden split over `tensor`): left to XLA's partitioner, the sort
-    gathered every token's routing onto every device, which then ran the whole batch's
-    expert matmuls."""
+    device, their hidden split as the rules split `expert_mlp`): left to XLA's partitioner,
+    the sort gathered every token's routing onto every device, which then ran the whole
+    batch's expert matmuls."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
-    tok, tensor = token_axes(), _tensor_axis(sizes, weights)
-    if not tok and not tensor:
-        return _ragged_local(cfg, act, None, z, idx, w, weights, adapters)
+    tok = token_axes()
+    hidden = _hidden_axes(sizes, weights, exclude=tok)
+    if not tok and not hidden:
+        return _ragged_local(cfg, act, (), z, idx, w, weights, adapters)
     z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[a] for a in tok), _num_experts(weights))
     ts = PartitionSpec(tok or None)
-    fn = jax.shard_map(functools.partial(_ragged_local, cfg, act, tensor),
-                       in_specs=(ts, ts, ts, *_specs(weights, adapters, None, tensor)), out_specs=ts)
+    fn = jax.shard_map(functools.partial(_ragged_local, cfg, act, hidden),
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, (), hidden)), out_specs=ts)
     return fn(z, idx, w, weights, adapters)[:n]
 
 
@@ -150,20 +177,37 @@ def ep_receive_rows(sent, expert_shards: int, factor: float):
     return min(expert_shards * sent, max(1, math.ceil(factor * sent)))
 
 
-def dispatch_name(cfg: ModelConfig) -> str:
-    """The dispatch this config runs under the context mesh (read while tracing): 'auto' is
-    'ep' where the mesh has an expert axis (the experts live on it), else 'ragged'."""
+def _layout(cfg: ModelConfig):
+    """(mesh axis sizes, the mesh axes the experts are split over, experts per device)
+    under the context mesh and rules."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    ex = expert_axes(sizes, cfg.num_experts)
+    return sizes, ex, cfg.num_experts // math.prod(sizes[a] for a in ex)
+
+
+def dispatch_name(cfg: ModelConfig, pairs: int | None = None) -> str:
+    """The dispatch this config runs under the context mesh and rules (read while tracing)
+    for a step of `pairs` (token, expert) pairs. 'auto' is 'gather' when the pairs are
+    fewer than the experts a device holds (it reads at most one expert per pair; the
+    grouped matmuls read every local expert), else 'ep' where the rules split the experts
+    over the `expert` mesh axis, else 'ragged'."""
     name = cfg.runtime.moe_dispatch
     if name != "auto":
         return name
-    mesh = jax.sharding.get_abstract_mesh()
-    return "ep" if not mesh.empty and dict(mesh.shape).get("expert", 1) > 1 else "ragged"
+    _, ex, local = _layout(cfg)
+    if pairs is not None and pairs < local:
+        return "gather"
+    return "ep" if ex == ("expert",) else "ragged"
 
 
 def describe_dispatch(cfg: ModelConfig) -> str:
-    """For logs: 'ep (auto)', the dispatch run under the context mesh and what was asked."""
+    """For logs: 'ep (auto; gather under 28 pairs)', the dispatch run under the context
+    mesh and what was asked."""
     name = dispatch_name(cfg)
-    return name if name == cfg.runtime.moe_dispatch else f"{name} ({cfg.runtime.moe_dispatch})"
+    if name == cfg.runtime.moe_dispatch:
+        return name
+    return f"{name} ({cfg.runtime.moe_dispatch}; gather under {_layout(cfg)[2]} pairs)"
 
 
 def drops_pairs(cfg: ModelConfig) -> bool:
@@ -218,14 +262,14 @@ def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cf
     return -(-n // m)
 
 
-def _ep_local(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w, weights, adapters):
+def _ep_local(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx, w, weights, adapters):
     """One device's part: its tokens `z` [n, H], its experts' weights [E/P, ...], in
     `ep_chunks` chunks of tokens (each rematerialised, so only one chunk's buffers are live
     in the backward too); padding tokens route nowhere (expert id E)."""
     n, k = idx.shape
     P = jax.lax.axis_size("expert")
     C = ep_chunks(n, k, P, z.shape[-1], z.dtype.itemsize, cfg)
-    exchange = functools.partial(_ep_exchange, cfg, act, mode, tensor, weights=weights, adapters=adapters)
+    exchange = functools.partial(_ep_exchange, cfg, act, mode, hidden, weights=weights, adapters=adapters)
     if C == 1:
         return exchange(z, idx, w)
     z, idx, w, _ = _split_tokens(z, idx, w, C, P * _num_experts(weights))
@@ -234,7 +278,7 @@ def _ep_local(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w, w
     return y.reshape(-1, y.shape[-1])[:n], jnp.sum(dropped, axis=0)
 
 
-def _ep_exchange(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w, *, weights, adapters):
+def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx, w, *, weights, adapters):
     """One exchange: tokens `z` [n, H] to the experts' devices and back."""
     n, k = idx.shape
     m, H = n * k, z.shape[-1]
@@ -291,16 +335,17 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, tensor: str | None, z, idx, w
         got = _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), offset, accepted, their_starts, sent, "expert")
     pairs = jnp.zeros_like(got).at[order].set(got).reshape(n, k, H)
     y = jnp.einsum("nkd,nk->nd", pairs.astype(jnp.float32), w, precision=HIGHEST)
-    # with the expert hidden split over `tensor`, each shard holds a partial w2 product
+    # with the expert hidden split over `hidden`, each shard holds a partial w2 product
     dropped = (jnp.sum(recv_counts) - jnp.sum(accepted)).reshape(1)
-    return (jax.lax.psum(y, tensor) if tensor else y), dropped
+    return (jax.lax.psum(y, hidden) if hidden else y), dropped
 
 
 def experts_ep(cfg: ModelConfig, act, z, idx, w, weights, adapters, *, with_dropped: bool = False):
     """shard_map over the context mesh: tokens split over every batch-like axis (and always
-    over `expert`), experts over `expert`, their hidden over `tensor`. Falls back to
-    `ragged` when there is no mesh or its expert axis is 1. `with_dropped`: also return
-    the number of (token, expert) pairs the receive capacity dropped (int32 scalar)."""
+    over `expert`), experts over `expert`, their hidden as the rules split `expert_mlp`.
+    Falls back to `ragged` when there is no mesh or its expert axis is 1. `with_dropped`:
+    also return the number of (token, expert) pairs the receive capacity dropped (int32
+    scalar)."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     if sizes.get("expert", 1) == 1:
@@ -309,34 +354,40 @@ def experts_ep(cfg: ModelConfig, act, z, idx, w, weights, adapters, *, with_drop
     E = _num_experts(weights)
     if E % sizes["expert"]:
         raise ConfigError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
-    tensor = _tensor_axis(sizes, weights)
+    if expert_axes(sizes, E) != ("expert",):
+        raise ConfigError(f"ep dispatch sends each pair to the device holding its expert over the `expert` "
+                          f"mesh axis, but the rules split the experts over {expert_axes(sizes, E) or 'no axis'} "
+                          f"(rule expert: {active_mesh_axes(('expert',))}); use moe_dispatch auto, ragged or gather")
+    hidden = _hidden_axes(sizes, weights, exclude=("expert",))
     # `expert` joins the token axes so that each expert shard holds different tokens.
     tok = token_axes()
     tok += () if "expert" in tok else ("expert",)
     z, idx, w, n = _split_tokens(z, idx, w, math.prod(sizes[b] for b in tok), E)
     ts = PartitionSpec(tok)
-    fn = jax.shard_map(functools.partial(_ep_local, cfg, act, _a2a_mode(cfg), tensor),
-                       in_specs=(ts, ts, ts, *_specs(weights, adapters, "expert", tensor)), out_specs=(ts, ts))
+    fn = jax.shard_map(functools.partial(_ep_local, cfg, act, _a2a_mode(cfg), hidden),
+                       in_specs=(ts, ts, ts, *_specs(weights, adapters, ("expert",), hidden)), out_specs=(ts, ts))
     y, dropped = fn(z, idx, w, weights, adapters)       # dropped: one count per token shard
     return (y[:n], jnp.sum(dropped)) if with_dropped else y[:n]
 
 
 def experts_gather(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     """Decode: each device reads only the experts its tokens chose (k3jax.ops.moe_gather).
-    The few tokens are replicated to every device; experts stay where they live (over
-    `expert`, their hidden over `tensor`) and one psum joins the partial outputs."""
+    The few tokens are replicated to every device; experts stay where the rules put them
+    (split over `expert`'s mesh axes, their hidden over `expert_mlp`'s) and one psum joins
+    the partial outputs. With the experts unsplit and their hidden over every device
+    (`v5p-256-decode`), each device reads 1/P of each chosen expert: the token's experts
+    are read once in all."""
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     E = _num_experts(weights)
-    ex = "expert" if sizes.get("expert", 1) > 1 and E % sizes["expert"] == 0 else None
-    tensor = _tensor_axis(sizes, weights)
-    axes = tuple(a for a in (ex, tensor) if a)
-    local = functools.partial(gather_local, act,
-                              E // (sizes[ex] if ex else 1), axes, {r: _scale(cfg, r) for r in adapters})
-    if not axes:
+    ex = expert_axes(sizes, E)
+    hidden = _hidden_axes(sizes, weights, exclude=ex)
+    local = functools.partial(gather_local, act, E // math.prod(sizes[a] for a in ex), ex, ex + hidden,
+                              {r: _scale(cfg, r) for r in adapters})
+    if not ex + hidden:
         return local(z, idx, w, weights, adapters)
     rep = PartitionSpec()
-    fn = jax.shard_map(local, in_specs=(rep, rep, rep, *_specs(weights, adapters, ex, tensor)), out_specs=rep)
+    fn = jax.shard_map(local, in_specs=(rep, rep, rep, *_specs(weights, adapters, ex, hidden)), out_specs=rep)
     return fn(z, idx, w, weights, adapters)
 
 
@@ -347,4 +398,4 @@ def routed_experts(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     """(y [N, H] fp32, pairs the 'ep' capacity dropped: int32 scalar, 0 where none can be)."""
     if drops_pairs(cfg):
         return experts_ep(cfg, act, z, idx, w, weights, adapters, with_dropped=True)
-    return DISPATCH[dispatch_name(cfg)](cfg, act, z, idx, w, weights, adapters), None
+    return DISPATCH[dispatch_name(cfg, idx.size)](cfg, act, z, idx, w, weights, adapters), None

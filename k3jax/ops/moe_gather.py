@@ -10,8 +10,8 @@ is the routing-weighted sum over its own experts, fp32 as in the other dispatche
 
 MXFP4-resident experts are gathered as their uint8 codes and scales and only those
 experts are widened; LoRA adapters are gathered with their experts and applied low rank,
-scale · (z A_e) B_e. The mesh layout (experts over `expert`, their hidden over `tensor`,
-one psum of the partial outputs, no all-to-all) is the caller's (`layers.moe`). Meant for
+scale · (z A_e) B_e. The mesh layout (experts and their hidden over the mesh axes the rules
+give, one psum of the partial outputs, no all-to-all) is the caller's (`ops.moe_dispatch`). Meant for
 decode (tokens × top-k well below the experts per device); for prefill and training,
 `ragged` / `ep`.
 """
@@ -83,16 +83,21 @@ def _product(x, w, adapter, scale: float, ids, equation: str):
     return y + (scale * delta).astype(y.dtype)
 
 
-def gather_local(act, n_local: int, axes: tuple[str, ...], scales: dict, z, idx, w, weights, adapters):
+def gather_local(act, n_local: int, expert_axes: tuple[str, ...], axes: tuple[str, ...], scales: dict,
+                 z, idx, w, weights, adapters):
     """One device's share: experts [lo, lo + n_local) of weights w1 / w3 ([El, H, F] or
-    MXFP4 [El, F, H/2]) and w2 ([El, F, H] or MXFP4 [El, H, F/2]); `axes` the mesh axes
-    the partial outputs are summed over (`expert` when it splits the experts). z [N, H],
-    idx / w [N, k]; returns [N, H] fp32."""
+    MXFP4 [El, F, H/2]) and w2 ([El, F, H] or MXFP4 [El, H, F/2]), `lo` this device's
+    place along the mesh axes `expert_axes` that split the experts; `axes` the mesh axes
+    the partial outputs are summed over (those and the ones splitting the hidden).
+    z [N, H], idx / w [N, k]; returns [N, H] fp32."""
     n, k = idx.shape
-    lo = jax.lax.axis_index("expert") * n_local if "expert" in axes else 0
+    lo = jax.lax.axis_index(expert_axes) * n_local if expert_axes else 0
     ids = idx - lo
     ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local).astype(jnp.int32)   # n_local: not here
     m = min(n_local, n * k)
+    if m > _SLICED_MAX and not any(isinstance(weights[r], MXFP4) for r in _ROLES):
+        y = _every_local_expert(act, n_local, scales, z, ids, w, weights, adapters)
+        return jax.lax.psum(y, axes) if axes else y
     picked = jnp.unique(ids.reshape(-1), size=m, fill_value=n_local)     # sorted; n_local pads
     safe = jnp.minimum(picked, n_local - 1)
     mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
@@ -102,3 +107,36 @@ def gather_local(act, n_local: int, axes: tuple[str, ...], scales: dict, z, idx,
     comb = jnp.sum(jnp.where(hit, w[:, :, None], 0.0), axis=1)                    # [n, m]
     y = jnp.einsum("nm,nmh->nh", comb, out.astype(jnp.float32), precision=_HI)
     return jax.lax.psum(y, axes) if axes else y
+
+
+def _every_local_expert(act, n_local: int, scales: dict, z, ids, w, weights, adapters):
+    """The pairs name more experts than are worth taking one by one (K3 at 32 sequences on
+    v5p-256-decode: 512 of 896): every local expert once, each token's routing weight
+    folded into the w2 contraction, so no [N, E, H] product exists. Taking 512 experts as
+    one gather instead copied each scanned layer's whole expert slice out of its stack
+    first (26.9 TB a step over 128 chips where the weights are 5.6 TB)."""
+    dt = z.dtype
+    comb = jnp.sum(jnp.where(ids[:, :, None] == jnp.arange(n_local)[None, None, :], w[:, :, None], 0.0),
+                   axis=1)                                                        # [n, El] fp32
+
+    def up(r):   # [n, El, F]: z through every local expert's w1 or w3, plus its adapter
+        y = jnp.einsum("nh,ehf->nef", z, weights[r].astype(dt))
+        if r not in adapters:
+            return y
+        a, b = adapters[r]
+        low = (jnp.einsum("nh,hr->nr", z, a.astype(dt))[:, None] if a.ndim == 2
+               else jnp.einsum("nh,ehr->ner", z, a.astype(dt)))
+        low = jnp.broadcast_to(low, (z.shape[0], n_local, low.shape[-1]))
+        return y + (scales[r] * jnp.einsum("ner,erf->nef", low, b.astype(dt),
+                                           preferred_element_type=jnp.float32)).astype(dt)
+
+    # the routing weight rounds with h once, as the other paths round each expert's output
+    hc = (act(up("w1"), up("w3")).astype(jnp.float32) * comb[:, :, None]).astype(dt)   # [n, El, F]
+    f32 = dict(preferred_element_type=jnp.float32)
+    y = jnp.einsum("nef,efh->nh", hc, weights["w2"].astype(dt), **f32)
+    if "w2" in adapters:
+        a, b = adapters["w2"]
+        low = (jnp.einsum("nef,fr->ner", hc, a.astype(dt), **f32) if a.ndim == 2
+               else jnp.einsum("nef,efr->ner", hc, a.astype(dt), **f32))
+        y = y + scales["w2"] * jnp.einsum("ner,erh->nh", low.astype(dt), b.astype(dt), **f32)
+    return y

@@ -212,13 +212,24 @@ def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     assert compiled["flops"] > f3["flops"] > f2["flops"]    # the depth is really in the figures
 
 
-@pytest.mark.parametrize("preset,n,fmt,lora", [("expert8", 2, "bf16", "per_expert"),
-                                              ("fsdp2_expert2_tensor2", 3, "mxfp4", "shared_a")])
-def test_gather_dispatch_matches_dense(preset, n, fmt, lora):
+@pytest.mark.parametrize("preset,n,fmt,lora,one_by_one", [("expert8", 2, "bf16", "per_expert", None),
+                                                         ("fsdp2_expert2_tensor2", 3, "mxfp4", "shared_a", None),
+                                                         ("expert_hidden8", 2, "bf16", "per_expert", None),
+                                                         ("expert_hidden8", 3, "mxfp4", "shared_a", None),
+                                                         ("expert_hidden8", 3, "bf16", "per_expert", 1),
+                                                         ("fsdp2_expert2_tensor2", 2, "bf16", "shared_a", 1)])
+def test_gather_dispatch_matches_dense(monkeypatch, preset, n, fmt, lora, one_by_one):
     """The decode dispatch against every-expert einsum (moe 'dense', the oracle, which
     widens MXFP4 stacks whole and adds A·B to every expert), with fewer pairs than experts
     (so experts are really left out), MXFP4-resident experts and both adapter forms, on
-    meshes splitting the experts over `expert` and their hidden over `tensor`."""
+    meshes splitting the experts over `expert` and their hidden over `tensor`, and on one
+    splitting no experts but each one's hidden over all 8 devices (expert_hidden8; MXFP4's
+    w2 scale groups there split only 2 ways). With fewer experts taken one by one than the
+    pairs name (`one_by_one`; K3 at 32 sequences), every local expert runs once with the
+    routing folded into w2."""
+    from k3jax.ops import moe_gather
+    if one_by_one is not None:
+        monkeypatch.setattr(moe_gather, "_SLICED_MAX", one_by_one)
     from k3jax import sharding
     from k3jax.config import LoraSpec
     from k3jax.layers.mlp import glu_activation

@@ -156,6 +156,33 @@ def test_cache_layout_matches_params_and_spec():
     assert caches.spec_bytes_per_token(k3) == 24 * 576 * 2
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_cache_writes_land_at_each_rows_length(T):
+    """apply_updates against a NumPy write, on an unrolled [B, S, E] and a stacked
+    [G, B, S, E] latent buffer: row b's t-th new latent lands at lengths[b] + t for
+    t < n_new[b]; a full row and a row with no new token keep what they hold (the one-token
+    form writes per row in place, the longer one scatters)."""
+    B, S, E, G = 4, 6, 5, 2
+    rng = np.random.default_rng(T)
+    lengths = np.array([0, 2, S, S - 1], np.int32)    # empty, partial, full, one slot left
+    n_new = np.array([T, T, T, 0 if T == 1 else 1], np.int32)
+    old = {"layers_1": {"kv": rng.standard_normal((B, S, E)).astype(np.float32)},
+           "groups": {"sub_0": {"kv": rng.standard_normal((G, B, S, E)).astype(np.float32)}}}
+    new = {"layers_1": {"kv": rng.standard_normal((B, T, E)).astype(np.float32)},
+           "groups": {"sub_0": {"kv": rng.standard_normal((G, B, T, E)).astype(np.float32)}}}
+    cache = caches.Cache(jax.tree.map(jnp.asarray, old), jnp.asarray(lengths))
+    got = jax.jit(caches.apply_updates)(cache, jax.tree.map(jnp.asarray, new), jnp.asarray(n_new))
+    for key, leaf in (("layers_1", lambda d: d["layers_1"]["kv"]), ("groups", lambda d: d["groups"]["sub_0"]["kv"])):
+        want = leaf(old).copy()
+        src = leaf(new)
+        for b in range(B):
+            for t in range(n_new[b]):
+                if lengths[b] + t < S:
+                    want[..., b, lengths[b] + t, :] = src[..., b, t, :]
+        np.testing.assert_array_equal(np.asarray(leaf(got.layers)), want, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(got.lengths), lengths + n_new)
+
+
 # ---------------------------------------------------------------------------------------
 # Fixture C: the reference's own cached greedy decode (KimiDynamicCache)
 # ---------------------------------------------------------------------------------------
