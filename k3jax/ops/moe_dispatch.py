@@ -354,9 +354,10 @@ def experts_ep(cfg: ModelConfig, act, z, idx, w, weights, adapters, *, with_drop
     E = _num_experts(weights)
     if E % sizes["expert"]:
         raise ConfigError(f"ep dispatch: {E} experts do not divide over expert axis {sizes['expert']}")
-    if expert_axes(sizes, E) != ("expert",):
+    ex = expert_axes(sizes, E)
+    if ex != ("expert",):
         raise ConfigError(f"ep dispatch sends each pair to the device holding its expert over the `expert` "
-                          f"mesh axis, but the rules split the experts over {expert_axes(sizes, E) or 'no axis'} "
+                          f"mesh axis, but the rules split the experts over {ex or 'no axis'} "
                           f"(rule expert: {active_mesh_axes(('expert',))}); use moe_dispatch auto, ragged or gather")
     hidden = _hidden_axes(sizes, weights, exclude=("expert",))
     # `expert` joins the token axes so that each expert shard holds different tokens.

@@ -27,7 +27,10 @@ _ROLES = ("w1", "w2", "w3")
 
 
 def _take(w, ids, dtype):
-    """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened)."""
+    """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened);
+    ids None: every local expert, the stack itself."""
+    if ids is None:
+        return dequantize_experts(w, dtype) if isinstance(w, MXFP4) else w.astype(dtype)
     if isinstance(w, MXFP4):
         return dequantize_experts(MXFP4(_rows(w.packed, ids), _rows(w.scale, ids)), dtype)
     return _rows(w, ids).astype(dtype)
@@ -55,12 +58,16 @@ def _base_product(x, w, ids, equation: str):
     slice of the stack: stacking the slices into a [m, in, out] buffer first made XLA write
     and read them again (about 3x the expert bytes of a K3 decode step)."""
     dt = x.dtype
-    if ids.shape[0] > _SLICED_MAX:
+    if ids is None or ids.shape[0] > _SLICED_MAX:
         return jnp.einsum(equation, x, _take(w, ids, dt))
     one = lambda j: _take(w, ids[j:j + 1], dt)[0]  # noqa: E731 — [in, out] of expert ids[j]
     if equation == "nh,mhf->nmf":
         return jnp.stack([x @ one(j) for j in range(ids.shape[0])], axis=1)
     return jnp.stack([x[:, j] @ one(j) for j in range(ids.shape[0])], axis=1)
+
+
+def _sel(x, ids):
+    return x if ids is None else x[ids]
 
 
 def _product(x, w, adapter, scale: float, ids, equation: str):
@@ -75,11 +82,12 @@ def _product(x, w, adapter, scale: float, ids, equation: str):
     if a.ndim == 2:   # 'shared_a': one A for every expert
         low = jnp.einsum("nmh,hr->nmr" if per_token else "nh,hr->nr", x, a.astype(dt),
                          preferred_element_type=jnp.float32).astype(dt)
-        low = low if per_token else jnp.broadcast_to(low[:, None], (low.shape[0], ids.shape[0], low.shape[-1]))
+        m = b.shape[0] if ids is None else ids.shape[0]
+        low = low if per_token else jnp.broadcast_to(low[:, None], (low.shape[0], m, low.shape[-1]))
     else:
-        low = jnp.einsum("nmh,mhr->nmr" if per_token else "nh,mhr->nmr", x, a[ids].astype(dt),
+        low = jnp.einsum("nmh,mhr->nmr" if per_token else "nh,mhr->nmr", x, _sel(a, ids).astype(dt),
                          preferred_element_type=jnp.float32).astype(dt)
-    delta = jnp.einsum("nmr,mrf->nmf", low, b[ids].astype(dt), preferred_element_type=jnp.float32)
+    delta = jnp.einsum("nmr,mrf->nmf", low, _sel(b, ids).astype(dt), preferred_element_type=jnp.float32)
     return y + (scale * delta).astype(y.dtype)
 
 
@@ -95,48 +103,39 @@ def gather_local(act, n_local: int, expert_axes: tuple[str, ...], axes: tuple[st
     ids = idx - lo
     ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local).astype(jnp.int32)   # n_local: not here
     m = min(n_local, n * k)
-    if m > _SLICED_MAX and not any(isinstance(weights[r], MXFP4) for r in _ROLES):
-        y = _every_local_expert(act, n_local, scales, z, ids, w, weights, adapters)
-        return jax.lax.psum(y, axes) if axes else y
-    picked = jnp.unique(ids.reshape(-1), size=m, fill_value=n_local)     # sorted; n_local pads
-    safe = jnp.minimum(picked, n_local - 1)
-    mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
-    h = act(mm(z, "w1", "nh,mhf->nmf"), mm(z, "w3", "nh,mhf->nmf"))
-    out = mm(h, "w2", "nmf,mfh->nmh")
+    every = m > _SLICED_MAX and not any(isinstance(weights[r], MXFP4) for r in _ROLES)
+    if every:       # every local expert: no ids, the stacks as they are
+        picked, safe = jnp.arange(n_local), None
+    else:
+        picked = jnp.unique(ids.reshape(-1), size=m, fill_value=n_local)     # sorted; n_local pads
+        safe = jnp.minimum(picked, n_local - 1)
     hit = (ids[:, :, None] == picked[None, None, :]) & (picked < n_local)[None, None, :]
     comb = jnp.sum(jnp.where(hit, w[:, :, None], 0.0), axis=1)                    # [n, m]
-    y = jnp.einsum("nm,nmh->nh", comb, out.astype(jnp.float32), precision=_HI)
+    mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
+    h = act(mm(z, "w1", "nh,mhf->nmf"), mm(z, "w3", "nh,mhf->nmf"))
+    if every:
+        y = _folded_w2(h, comb, weights["w2"], adapters.get("w2"), scales.get("w2", 0.0))
+    else:
+        out = mm(h, "w2", "nmf,mfh->nmh")
+        y = jnp.einsum("nm,nmh->nh", comb, out.astype(jnp.float32), precision=_HI)
     return jax.lax.psum(y, axes) if axes else y
 
 
-def _every_local_expert(act, n_local: int, scales: dict, z, ids, w, weights, adapters):
-    """The pairs name more experts than are worth taking one by one (K3 at 32 sequences on
-    v5p-256-decode: 512 of 896): every local expert once, each token's routing weight
-    folded into the w2 contraction, so no [N, E, H] product exists. Taking 512 experts as
-    one gather instead copied each scanned layer's whole expert slice out of its stack
-    first (26.9 TB a step over 128 chips where the weights are 5.6 TB)."""
-    dt = z.dtype
-    comb = jnp.sum(jnp.where(ids[:, :, None] == jnp.arange(n_local)[None, None, :], w[:, :, None], 0.0),
-                   axis=1)                                                        # [n, El] fp32
-
-    def up(r):   # [n, El, F]: z through every local expert's w1 or w3, plus its adapter
-        y = jnp.einsum("nh,ehf->nef", z, weights[r].astype(dt))
-        if r not in adapters:
-            return y
-        a, b = adapters[r]
-        low = (jnp.einsum("nh,hr->nr", z, a.astype(dt))[:, None] if a.ndim == 2
-               else jnp.einsum("nh,ehr->ner", z, a.astype(dt)))
-        low = jnp.broadcast_to(low, (z.shape[0], n_local, low.shape[-1]))
-        return y + (scales[r] * jnp.einsum("ner,erf->nef", low, b.astype(dt),
-                                           preferred_element_type=jnp.float32)).astype(dt)
-
-    # the routing weight rounds with h once, as the other paths round each expert's output
-    hc = (act(up("w1"), up("w3")).astype(jnp.float32) * comb[:, :, None]).astype(dt)   # [n, El, F]
+def _folded_w2(h, comb, w2, adapter, scale: float):
+    """sum_e comb[n, e] · (h[n, e] w2_e (+ its adapter)) over every local expert, with the
+    routing weight folded into the contraction over (e, f), so no [N, E, H] product exists.
+    For pairs naming more experts than are worth taking one by one (K3 at 32 sequences on
+    v5p-256-decode: 512 of 896); taking them as one gather instead copied each scanned
+    layer's whole expert slice out of its stack first (26.9 TB a step over 128 chips where
+    the weights are 5.6 TB). The routing weight rounds with h once, as the other paths
+    round each expert's output."""
+    dt = h.dtype
+    hc = (h.astype(jnp.float32) * comb[:, :, None]).astype(dt)                      # [n, El, F]
     f32 = dict(preferred_element_type=jnp.float32)
-    y = jnp.einsum("nef,efh->nh", hc, weights["w2"].astype(dt), **f32)
-    if "w2" in adapters:
-        a, b = adapters["w2"]
-        low = (jnp.einsum("nef,fr->ner", hc, a.astype(dt), **f32) if a.ndim == 2
-               else jnp.einsum("nef,efr->ner", hc, a.astype(dt), **f32))
-        y = y + scales["w2"] * jnp.einsum("ner,erh->nh", low.astype(dt), b.astype(dt), **f32)
-    return y
+    y = jnp.einsum("nef,efh->nh", hc, w2.astype(dt), **f32)
+    if adapter is None:
+        return y
+    a, b = adapter
+    low = (jnp.einsum("nef,fr->ner", hc, a.astype(dt), **f32) if a.ndim == 2
+           else jnp.einsum("nef,efr->ner", hc, a.astype(dt), **f32))
+    return y + scale * jnp.einsum("ner,erh->nh", low.astype(dt), b.astype(dt), **f32)
