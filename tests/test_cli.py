@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REFERENCE_CONFIG, need
 
 
@@ -10,6 +12,7 @@ def k3jax(*args):
     return subprocess.run([sys.executable, "-m", "k3jax.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_params_json_on_the_real_config():
     out = k3jax("params", str(need(REFERENCE_CONFIG)), "--json")
     assert out.returncode == 0, out.stderr
@@ -26,7 +29,6 @@ def test_params_unknown_config_is_a_clear_error():
 # Bad input ends in one line and exit code 2; anything else keeps its traceback
 # ---------------------------------------------------------------------------------------
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from helpers import FIXTURES  # noqa: E402
 from k3jax import cli  # noqa: E402

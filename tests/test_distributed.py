@@ -11,6 +11,7 @@ generated-code speed for compile time (the same for all three, so the comparison
 the model is the toy cut to one KDA and one MLA layer, both MoE (what crosses processes is
 the same: 'ep' all-to-alls and ZeRO-3 gathers; the compile is 5x shorter than the toy's 13).
 """
+import pytest
 import json
 import os
 import socket
@@ -66,6 +67,7 @@ def launch(tmp_path, cfg: str, name: str, local_devices: int, extra_env: dict, d
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path):
     cfg = write_variant(str(tmp_path / "two_layers.yaml"), layers=("kda", "mla"), first_k_dense_replace=0)
     port = free_port()

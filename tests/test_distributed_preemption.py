@@ -13,6 +13,7 @@ jax's SIGTERM handler is polled once a second, a hundred steps of this model on 
 machine; so that the agreed step falls mid-run on any machine, the peer is stopped
 (SIGSTOP) while the notice travels, which holds both processes at their next collective.
 """
+import pytest
 import os
 import re
 import signal
@@ -62,6 +63,7 @@ def logged_step(run_dir) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_saves_one_agreed_step_and_resumes(tmp_path):
     cfg = write_variant(str(tmp_path / "tiny.yaml"), layers=("kda",), train=TRAIN)
     pod = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2",

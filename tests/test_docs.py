@@ -1,6 +1,7 @@
 """The numbers in README.md and launch/README.md are what the code computes now: every
 generated block equals what scripts/docs_tables.py makes from `k3jax plan` / `k3jax params`
 and the mesh presets."""
+import pytest
 import importlib.util
 import os
 
@@ -14,6 +15,7 @@ def _script():
     return mod
 
 
+@pytest.mark.slow
 def test_generated_doc_blocks_are_up_to_date():
     mod = _script()
     stale = mod.stale()

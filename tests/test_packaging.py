@@ -40,6 +40,7 @@ def test_wheel_holds_every_preset_and_sample(wheel):
     assert src <= names, sorted(src - names)
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_presets_from_anywhere(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)     # what pip install puts in site-packages

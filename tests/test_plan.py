@@ -64,6 +64,7 @@ def test_presets_with_free_axis_need_a_device_count(capsys):
     assert out["devices"] == 16 and out["fits"]
 
 
+@pytest.mark.slow
 def test_ep_capacity_sizes_the_moe_buffer(capsys):
     """Dropless 'ep' holds expert-axis × the mean received pairs; a capacity factor c holds c ×.
     v5p-1024 has an expert axis of 64: with one exchange (no buffer budget) the buffer

@@ -191,6 +191,7 @@ def test_reduced_depth_keeps_the_plan_and_the_attn_res_stack():
         depth.reduced(full, 5)
 
 
+@pytest.mark.slow
 def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     """The compiled step's memory terms, FLOPs and HBM bytes are linear in the group count:
     extrapolating from 2 and 3 groups predicts what compiling 4 groups gives."""
@@ -212,6 +213,7 @@ def test_extrapolating_two_depths_predicts_a_third_within_2_percent():
     assert compiled["flops"] > f3["flops"] > f2["flops"]    # the depth is really in the figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,n,fmt,lora,one_by_one", [("expert8", 2, "bf16", "per_expert", None),
                                                          ("fsdp2_expert2_tensor2", 3, "mxfp4", "shared_a", None),
                                                          ("expert_hidden8", 2, "bf16", "per_expert", None),

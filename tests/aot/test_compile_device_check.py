@@ -3,12 +3,14 @@
 lent device is known to work. The test runs the KDA forward section (5 s); the others
 (interpret-mode KDA backward, MXFP4 grouped matmul, toy train and decode) take about three
 minutes of this CPU: `python benchmarks/device_check.py --dry-run` runs them all."""
+import pytest
 import importlib.util
 import json
 
 from tests.helpers import ROOT
 
 
+@pytest.mark.slow
 def test_device_check_dry_run(tmp_path):
     spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
     mod = importlib.util.module_from_spec(spec)

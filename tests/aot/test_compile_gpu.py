@@ -32,6 +32,7 @@ def _small_k3():
     return dataclasses.replace(k3, text=cfg)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_lowers_for_cuda_on_b300x8():
     """`k3jax train --mesh b300x8`'s step (its train preset, b300x8_train) for CUDA. The
     serving steps' lowering (they need a CPU compile of the prefill for their caches'

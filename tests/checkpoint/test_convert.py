@@ -56,6 +56,7 @@ def fixture_a_orbax(tmp_path_factory):
 # two shards behind an index → Orbax (the vision tower as its own param tree) → the
 # released layout, byte for byte per tensor.
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_convert_export_round_trip_is_byte_identical(tmp_path):
     src, _, v = two_shard_multimodal_checkpoint(tmp_path / "hf")
 
@@ -93,6 +94,7 @@ def test_convert_export_round_trip_is_byte_identical(tmp_path):
 # ---------------------------------------------------------------------------------------
 # Logits from the Orbax checkpoint, through the command line
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [None, "data2_fsdp2_expert2"])
 def test_logits_command_from_orbax_matches_reference(fixture_a_orbax, tmp_path, mesh):
     d = FIXTURES / "fixture_a"

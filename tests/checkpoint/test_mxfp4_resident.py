@@ -1,5 +1,6 @@
 """MXFP4-resident routed experts (issue 21): Moonshot's MXFP4 fixture through the packed path,
 convert/export keeping the bytes, and the planner's state bytes against a real LoRA run's."""
+import pytest
 import json
 
 import jax
@@ -22,6 +23,7 @@ def _expert_leaves(params):
             if any(f"'{w}'" in jax.tree_util.keystr(p) for w in ("w1", "w2", "w3"))]
 
 
+@pytest.mark.slow
 def test_logits_command_on_the_mxfp4_fixture(tmp_path, capsys):
     b = need(FIXTURES / "fixture_b")
     ids = np.load(b / "inputs.npy")
@@ -59,6 +61,7 @@ def test_convert_keeps_mxfp4_bytes_and_export_writes_them_back(tmp_path):
         assert back.get(n).tobytes() == src.get(n).tobytes(), n
 
 
+@pytest.mark.slow
 def test_planner_state_bytes_equal_a_lora_over_mxfp4_runs_arrays():
     """params + grads + optimizer per device as `k3jax plan` counts them, against the arrays
     a toy LoRA-over-MXFP4 train state really holds on a device of the mesh (gradients: the

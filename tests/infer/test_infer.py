@@ -97,6 +97,7 @@ def batched_run(name):
     return np.stack(out, 1), np.asarray(cache.lengths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_prefill_then_decode_equals_full_forward(name):
     _, _, _, full = setup(name)
@@ -106,6 +107,7 @@ def test_prefill_then_decode_equals_full_forward(name):
         close(got[b], full[b, n - 1:n + STEPS])
 
 
+@pytest.mark.slow
 def test_padded_row_equals_the_sequence_decoded_alone():
     cfg, params, tokens, _ = setup("hybrid_toy")
     got, _ = batched_run("hybrid_toy")
@@ -119,6 +121,7 @@ def test_padded_row_equals_the_sequence_decoded_alone():
     close(got[1], np.concatenate(alone))
 
 
+@pytest.mark.slow
 def test_prefix_reuse_equals_fresh_prefill():
     cfg, params, tokens, _ = setup("hybrid_toy")
     got, _ = batched_run("hybrid_toy")   # row 0: a fresh prefill of 20 tokens, then decode
@@ -193,6 +196,7 @@ def fixture_c():
     return d, cfg, load_hf_params(cfg, d, dtype=np.float32)
 
 
+@pytest.mark.slow
 def test_greedy_decode_reproduces_fixture_c():
     d, cfg, params = fixture_c()
     prompt, fed = np.load(d / "prompt_ids.npy"), np.load(d / "generated_ids.npy")
@@ -248,6 +252,7 @@ def test_temperature_top_k_top_p_distributions():
 # ---------------------------------------------------------------------------------------
 # The generation loop and `k3jax generate`
 # ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_generate_ids_reproduce_fixture_c(tmp_path):
     from k3jax.cli import main
     d, _, _ = fixture_c()
@@ -292,6 +297,7 @@ def test_inputs_past_the_cache_are_clear_errors():
         G.prefill(cfg, params, np.full((1, 4), cfg.vocab_size), max_len=16)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_piece():
     # pieces of 8 over rows of 20 and 13 tokens: the short row has no token in the last
     # piece, so its state, tails and logits must pass through that piece untouched

@@ -359,6 +359,7 @@ def _kda_params(variant):
     return cfg, x, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["recurrent", "chunk"])
 @pytest.mark.parametrize("variant", list(KDA_VARIANTS))
 def test_kda_layer(variant, impl):

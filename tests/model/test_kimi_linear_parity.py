@@ -80,6 +80,7 @@ def test_transformers_writes_the_dense_layer_as_block_sparse_moe(saved):
     assert "model.layers.0.block_sparse_moe.gate_proj.weight" in names  # accepted alongside the released 'mlp'
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_from_safetensors_and_orbax(saved, tmp_path):
     d, tokens, ref = saved
     k3, params = load_model_dir(d)

@@ -18,6 +18,7 @@ from k3jax.param_count import count_params
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["fixture_a", "fixture_b"])
 def test_logits_match_reference_fixture(fixture):
     d = need(FIXTURES / fixture)
@@ -48,6 +49,7 @@ def toy_tokens(shape, seed=0):
     return np.random.default_rng(seed).integers(0, TOY.vocab_size, shape, dtype=np.int32)
 
 
+@pytest.mark.slow
 def test_toy_is_causal():
     tokens = toy_tokens((1, 48))
     seg = np.zeros_like(tokens)
@@ -60,6 +62,7 @@ def test_toy_is_causal():
         assert np.abs(out[:, t] - base[:, t]).max() > 1e-3  # the changed token itself does matter
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_each_document_alone():
     a, b = toy_tokens((1, 29), 1), toy_tokens((1, 19), 2)
     packed = np.concatenate([a, b], axis=1)
@@ -82,6 +85,7 @@ def relayout(params, src: C.ModelConfig, dst: C.ModelConfig):
     return unflatten(out)
 
 
+@pytest.mark.slow
 def test_scanned_groups_equal_unrolled_layers():
     unrolled = TOY.with_runtime(scan_layers=False)
     plan = M.layer_plan(TOY)

@@ -17,6 +17,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,sizes", CASES)
 def test_tiled_matches_per_row_reference(m, sizes):
     rng = np.random.default_rng(m)
@@ -29,6 +30,7 @@ def test_tiled_matches_per_row_reference(m, sizes):
     np.testing.assert_allclose(np.asarray(grouped_matmul(x, w, s)), grouped_matmul_ref(x, w, s), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradients_match_reference():
     m, sizes = 50, np.array([20, 0, 9, 13], np.int32)
     rng = np.random.default_rng(1)

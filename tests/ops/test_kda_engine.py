@@ -75,6 +75,7 @@ def _ids(cases):
     return ["T{}-H{}-K{}-C{}-{}-h0{:d}-seg{:d}".format(*c) for c in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,H,K,C,gate,use_h0,use_seg", CHUNKED_CASES, ids=_ids(CHUNKED_CASES))
 def test_assoc_matches_recurrent(T, H, K, C, gate, use_h0, use_seg):
     _check_against_recurrent("assoc", T, H, K, C, gate, use_h0, use_seg)
@@ -86,6 +87,7 @@ STRONG_DECAY_CASE = (500, 2, 128, 128, "near5", True, True)
 LONG_AND_WIDE = [CHUNKED_CASES[3], CHUNKED_CASES[5], STRONG_DECAY_CASE]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LONG_AND_WIDE, ids=_ids(LONG_AND_WIDE))
 def test_chunk_matches_recurrent_long_and_wide(case):
     """K = 128, T = 1000 and strong decay for `chunk`, with gradients (test_kda_op covers
@@ -93,6 +95,7 @@ def test_chunk_matches_recurrent_long_and_wide(case):
     _check_against_recurrent("chunk", *case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [16, 48, 512], ids=["one-chunk", "three-chunks", "accelerator"])
 def test_chunk_any_block_length_matches_recurrent(tokens, monkeypatch):
     """`chunk` walks the sequence in blocks of whole chunks, 128 tokens on CPU and longer on
@@ -124,6 +127,7 @@ def _nearly_repeated_keys(x, seed):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,C", [("chunk", 64), ("assoc", 32), ("pallas", 64)])
 def test_nearly_repeated_keys_with_beta_near_one(impl, C):
     """A run of almost identical keys with β ≈ 1 and no decay (a repeated token) makes
@@ -140,6 +144,7 @@ def test_nearly_repeated_keys_with_beta_near_one(impl, C):
         assert rel_l2(a, b) <= 1e-4, (name, rel_l2(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("C", [24, 64])
 def test_unit_lower_solve_gradient_matches_autodiff_of_a_dense_solve(C):
     """The UT solve's hand-written gradient (kda_chunk.unit_lower_solve) against autodiff
@@ -168,6 +173,7 @@ def test_unit_lower_solve_gradient_matches_autodiff_of_a_dense_solve(C):
     assert np.all(np.asarray(got[0]) * (1 - strict) == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["chunk", "assoc"])
 def test_chunk_size_not_a_power_of_two(impl):
     """The halving recursion of the intra-chunk scores pads such chunks internally."""
@@ -195,11 +201,13 @@ PALLAS_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,H,K,C,gate,use_h0,use_seg", PALLAS_CASES, ids=_ids(PALLAS_CASES))
 def test_pallas_matches_recurrent(T, H, K, C, gate, use_h0, use_seg):
     _check_against_recurrent("pallas", T, H, K, C, gate, use_h0, use_seg, B=1)
 
 
+@pytest.mark.slow
 def test_pallas_gpu_layout_matches_recurrent():
     """The state loop's GPU layout (one program per head looping over chunks) in interpret
     mode; the cases above run the TPU layout (a grid streaming one chunk per step)."""
@@ -243,6 +251,7 @@ def _tf32x3_matmul(a, b, dims):
     return dot(a_hi, b_hi) + (dot(a_lo, b_hi) + dot(a_hi, b_lo))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["k3_gate", "nearly_repeated_keys"])
 def test_pallas_gpu_arithmetic_matches_recurrent(case, monkeypatch):
     """On GPU every kernel matmul is TF32x3 (fwd.MATMUL_PRECISION), not IEEE fp32. With
@@ -371,6 +380,7 @@ def _cp_outputs_and_grads(n_dev, x, h0, seg, r_o, r_s, C, impl, gate_lower_bound
     return (o, s) + grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_dev,T,C,impl,lb", [
     (2, 96, 32, "chunk", None), (4, 200, 16, "chunk", None), (8, 128, 16, "chunk", None),
     (2, 96, 32, "pallas", None), (4, 200, 16, "assoc", None), (4, 200, 32, "chunk", -5.0)])
@@ -394,6 +404,7 @@ def test_context_parallel_equals_single_device(n_dev, T, C, impl, lb):
         assert rel_l2(a, b) <= 1e-4, (name, n_dev, rel_l2(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,impl", [
     (P("data", None, "tensor"), "chunk"), (P("data", "context", "tensor"), "chunk"),
     (P(None, None, ("context", "tensor")), "pallas"), (P("data", "context", None), "recurrent")])

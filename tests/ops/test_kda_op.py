@@ -172,6 +172,7 @@ def _loss_grads(impl, C, x, h0, seg, r_o, r_s):
 GRAD_CASES = [(65, 2, 16, 16, "softplus"), (100, 1, 32, 64, "safe")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,H,K,C,gate", GRAD_CASES)
 def test_gradients_chunk_match_recurrent(T, H, K, C, gate):
     B = 2
@@ -214,6 +215,7 @@ BOUNDED_CASES = [(200, 2, 64, 64, "near5", -5.0), (130, 1, 32, 48, "safe", -5.0)
                  (90, 2, 16, 32, "at_bound", -1.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T,H,K,C,gate,lb", BOUNDED_CASES)
 def test_gate_lower_bound_matches_recurrent(T, H, K, C, gate, lb):
     """With the promise g >= lb, chunk, assoc and pallas score sub-chunks through one
@@ -289,6 +291,7 @@ def test_final_state_only_on_request_and_custom_scale():
     assert rel_l2(o2, o_np) <= 1e-4
 
 
+@pytest.mark.slow
 def test_traced_scale_gets_its_gradient():
     """scale may be a traced value (a learned temperature). `chunk` applies it block by
     block inside its custom VJP, so that VJP must return its cotangent."""
@@ -345,6 +348,7 @@ def _load_fla_naive():
     return mod.naive_recurrent_kda
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_matches_fla_naive_recurrent(gate):
     import torch

@@ -139,6 +139,7 @@ def test_gradient_wrt_x_matches_autodiff_of_the_dequantized_product(dtype):
             assert d.dtype == jax.dtypes.float0 and d.shape == a.shape
 
 
+@pytest.mark.slow
 def test_pure_path_never_holds_every_expert_dequantized():
     """The compiled forward and backward hold at most one expert's decoded weights (CPU)
     or one block's (block_experts): no float buffer of more than that many elements, and
@@ -251,6 +252,7 @@ def test_pallas_tpu_layout_over_several_weight_tiles():
         assert not np.asarray(got[40:]).any()
 
 
+@pytest.mark.slow
 def test_pallas_gradient_through_the_custom_vjp():
     """impl="pallas" (interpret mode on CPU): dx is the other orientation's kernel."""
     rng = np.random.default_rng(4)

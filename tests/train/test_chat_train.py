@@ -147,6 +147,7 @@ def test_images_expand_to_their_feature_rows(tmp_path):
         build_dataset(data, TOK, k3, write_jsonl(tmp_path / "b.jsonl", bad))
 
 
+@pytest.mark.slow
 def test_toy_chat_run_with_images_lowers_the_loss(tmp_path):
     """A one-layer toy trained on chat rows that each hold an image: every step carries two
     images of one grid (one compile), the vision tower trains along, the loss falls."""

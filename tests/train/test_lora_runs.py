@@ -41,6 +41,7 @@ def env(tmp_path_factory):
     return d, dict(os.environ, K3JAX_COMPILE_CACHE=str(d / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 
+@pytest.mark.slow
 def test_toy_lora_starts_at_the_full_fine_tunes_loss_falls_and_resumes_exactly(env):
     d, e = env
     train = {"steps": 4, "log_every": 1, "ckpt_every": 1, "keep": 10, "sample_tokens": 0, "peak_tflops": 1.0,
@@ -93,6 +94,7 @@ def fixture_b_adapter(fixture_b_run):
     return out
 
 
+@pytest.mark.slow
 def test_adapter_export_is_the_run_in_peft_form(fixture_b_run, fixture_b_adapter):
     run, base = fixture_b_run
     cfg, tensors = _peft(fixture_b_adapter)
@@ -141,6 +143,7 @@ def _bf16(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
+@pytest.mark.slow
 def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixture_b_adapter, tmp_path):
     """--merge-lora writes the release's format: each adapted tensor is W + B·A stored as
     the release stores it (experts re-quantized to MXFP4, dense rounded to bf16), the
@@ -169,7 +172,12 @@ def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixtur
             stored[mod] = w
         else:                       # bf16, within one rounding of the exact merge
             got = ckpt.get(f"{mod}.weight").astype(np.float64)
-            np.testing.assert_allclose(got, _bf16(w), rtol=2 ** -8, atol=1e-30, err_msg=mod)
+            # half a bf16 step at |w|, plus the fp32 rounding of the export's own merge: where
+            # w sits on a rounding midpoint that alone may send it to the other neighbour
+            half_step = np.exp2(np.floor(np.log2(np.maximum(np.abs(w), 1e-30))) - 8)
+            excess = np.abs(got - w) - (half_step + 2 ** -20 * np.abs(w))
+            assert np.all(excess <= 0), (mod, np.abs(got - w).flat[np.argmax(excess)])
+            assert np.mean(got == _bf16(w)) > 0.99, mod
             stored[mod] = got
     assert any(".experts." in m for m in stored) and any(m.endswith("_bias") for m in stored)
     assert rel_err == pytest.approx(np.sqrt(err2 / val2), rel=1e-3)

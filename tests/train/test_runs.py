@@ -55,6 +55,7 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_a_run_and_its_checkpoints_load_as_model_directories(run):
     from k3jax import sharding
     from k3jax.checkpoint.load import load_model_dir, resolve
@@ -97,6 +98,7 @@ def reference_logits(run, tokens):
     return cfg, p32, np.asarray(forward(cfg, p32, tokens), np.float32)
 
 
+@pytest.mark.slow
 def test_logits_generate_and_export_of_a_run(run, tmp_path, capsys):
     from helpers import greedy_full_forward
 
@@ -142,6 +144,7 @@ def test_logits_generate_and_export_of_a_run(run, tmp_path, capsys):
     assert got["generated_ids"][0] == greedy_full_forward(cfg, p32, prompt, 3, cfg.pad_token_id)
 
 
+@pytest.mark.slow
 def test_init_from_a_run_and_config_commands(run, capsys):
     from k3jax.config import load
     from k3jax.train import config as tconf
@@ -171,6 +174,7 @@ def test_init_from_a_run_and_config_commands(run, capsys):
     assert "--experts-bf16" in tail   # the toy config has no MXFP4 experts to write
 
 
+@pytest.mark.slow
 def test_vision_features_from_a_conversion_and_not_from_a_run(run, tmp_path, capsys):
     """vision-features reads a convert output's vision/ tree like the HF files; a run (text
     model only) is refused in one line."""
@@ -215,6 +219,7 @@ def test_a_second_train_on_a_live_run_is_refused_at_once(run, tmp_path, capsys):
     assert {f: (r / f).read_bytes() for f in before} == before    # the live run's files untouched
 
 
+@pytest.mark.slow
 def test_resume_takes_over_a_stale_lock_and_trims_a_torn_metrics_line(run, tmp_path):
     """What kill -9 leaves (a lock whose pid is gone, a half-written metrics line) does not
     block the rerun, which then logs what the uninterrupted run logged."""
@@ -267,6 +272,7 @@ def test_a_run_with_nothing_to_do_leaves_its_config(run, tmp_path, capsys):
     assert (r / "config.yaml").read_bytes() == before         # still describes the checkpoints
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_training_at_the_failed_checkpoint(run, tmp_path):
     """A real full disk: a 1.5 MB tmpfs holds one checkpoint of the tiny run, not two."""
     d = tmp_path / "small"
@@ -286,6 +292,7 @@ def test_a_full_disk_stops_training_at_the_failed_checkpoint(run, tmp_path):
         subprocess.run(["umount", str(d)])
 
 
+@pytest.mark.slow
 def test_a_streamed_run_resumes_exactly(run, tmp_path):
     """data.loader: grain saves each checkpoint's stream position; resuming the step-2
     checkpoint logs the uninterrupted run's losses (same compiled step as the fixture's)."""

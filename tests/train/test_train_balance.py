@@ -16,6 +16,7 @@ def load_with(s, b, k):
     return np.asarray(expert_load(jax.lax.top_k(s + b, k)[1], s.shape[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,n,k,skew", [(1024, 8, 2, 2.0), (2048, 32, 4, 0.0), (2000, 16, 1, 1.0)])
 def test_exact_gives_every_expert_mk_over_n(m, n, k, skew):
     s = scores(m, n, skew)
@@ -39,6 +40,7 @@ def test_padding_tokens_neither_count_nor_vote():
     assert np.abs(load - 800 * k // n).max() <= 1
 
 
+@pytest.mark.slow
 def test_histogram_estimator_reduces_imbalance_and_adds_across_shards():
     m, n, k = 4096, 16, 2
     s = scores(m, n, 2.0, seed=4)
@@ -51,6 +53,7 @@ def test_histogram_estimator_reduces_imbalance_and_adds_across_shards():
     assert np.abs(load_with(s, b, k) - q).max() < 0.35 * np.abs(load_with(s, b0, k) - q).max()
 
 
+@pytest.mark.slow
 def test_hist_method_through_the_train_step():
     """One jitted train step, method 'hist', two microbatches, from a skewed router bias:
     the bias it writes is solve_hist of the whole batch's histogram, built here from a plain

@@ -63,6 +63,7 @@ def test_tiktoken_tokenizer_roundtrip(tmp_path):
     assert all(i < 259 for i in tok.encode("<|reserved_token_291|>", bos=False))   # no injected specials
 
 
+@pytest.mark.slow
 def test_packed_row_loss_equals_per_document_loss():
     d = variant_dict(layers=("kda", "mla"))
     d.pop("train", None)

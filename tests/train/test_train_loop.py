@@ -47,6 +47,7 @@ def wait_for_step(run_dir, step, proc, timeout=600):
     raise TimeoutError(f"step {step} not reached")
 
 
+@pytest.mark.slow
 def test_kill9_resume_matches_uninterrupted(setup):
     d, cfg, env = setup
     full = subprocess.run(cmd(cfg, d, "full"), env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -65,6 +66,7 @@ def test_kill9_resume_matches_uninterrupted(setup):
     assert losses(d / "killed") == ref          # bit-identical curve, no duplicate steps
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_for_a_restart(setup):
     d, cfg, env = setup
     p = subprocess.Popen(cmd(cfg, d, "term", "steps=1000", "ckpt_every=1000"), env=env, cwd=ROOT,
@@ -78,6 +80,7 @@ def test_sigterm_saves_and_exits_for_a_restart(setup):
     assert saved and max(saved) >= 2 and max(saved) < 1000
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_last_good_checkpoint(setup):
     d, cfg, env = setup
     r = subprocess.run(cmd(cfg, d, "nan", "optimizer.lr=1e30", "optimizer.adam_lr=1e30", "ckpt_every=1",

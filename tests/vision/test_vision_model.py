@@ -127,6 +127,7 @@ class _SpliceAtEmbed:
         return next_fun(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_logits_with_images_equal_features_spliced_by_hand(tiny):
     t = tiny
     k3, params, tokens = t["k3"], t["params"], t["tokens"]
@@ -189,6 +190,7 @@ def test_logits_command_with_images_from_hf_and_converted_checkpoints(tiny, tmp_
     np.testing.assert_array_equal(np.load(out), want)
 
 
+@pytest.mark.slow
 def test_generate_command_with_images_on_a_mesh_matches_the_full_forward(tiny, tmp_path):
     t = tiny
     prompt = t["short"][:, :T - 3 - 2]     # both pads inside: expanded, 22 tokens per row
@@ -207,6 +209,7 @@ def test_generate_command_with_images_on_a_mesh_matches_the_full_forward(tiny, t
     np.testing.assert_array_equal(logits[:, T - 3:].argmax(-1), gen)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_hands_each_piece_its_image_rows(tiny):
     from k3jax.infer.generate import prefill
     from k3jax.vision.merge import feature_rows
@@ -233,6 +236,7 @@ def test_prompt_text_places_images_at_the_placeholder(tiny):
     assert _encode(tok, k3, "ab", 2) == [tok.bos_id, pad, pad, ord("a"), ord("b")]
 
 
+@pytest.mark.slow
 def test_train_step_with_images(tiny):
     t = tiny
     tokens = t["tokens"]
