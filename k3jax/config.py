@@ -527,10 +527,36 @@ def _read_json_or_dict(path_or_dict) -> dict:
     return d
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` onto `base`: mappings merge key by key at every depth, anything else (lists,
+    scalars, a mapping replacing a non-mapping) is replaced whole."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def parse_yaml(text: str, path: str):
     """YAML with syntax errors reported as `path:line:column: ...` (one line)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
@@ -559,12 +585,14 @@ def load_k3(name_or_path) -> K3Config:
         presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
     d = dict(_read_json_or_dict(p))
-    if "extends" in d:   # `extends: k3`: the model of another preset (name or path), this train:
+    if "extends" in d:   # `extends: k3`: another preset (name or path) under this one's keys
         base = d.pop("extends")
         _check(isinstance(base, str), "extends", base, "a preset name or a path")
         near = os.path.join(os.path.dirname(p), base)
         parent = load_k3(near if os.path.exists(near) else base)
-        d = {**parent.to_hf(), **d}
+        # a partial section changes only the keys it names, at any depth (train.lora.targets
+        # alone keeps the parent's rank; text_config.num_experts alone keeps the rest)
+        d = deep_merge({**parent.to_hf(), "train": parent.train}, d)
     train = d.pop("train", None) or {}
     _check(isinstance(train, dict), "train", type(train).__name__, "the train section must be a mapping")
     return dataclasses.replace(K3Config.from_hf(d), train=train)

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-import yaml
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import CONFIG_DIR, ConfigError
+from k3jax.config import CONFIG_DIR, ConfigError, parse_yaml
 
 AXES = ("data", "fsdp", "expert", "tensor", "context")
 MESH_DIR = os.path.join(CONFIG_DIR, "meshes")
@@ -94,7 +93,7 @@ def rules_table(name: str) -> dict:
         names = sorted(f[:-5] for f in os.listdir(RULES_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no rules table {name!r} (tables: {names})")
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        return parse_yaml(f.read(), path) or {}
 
 
 def _preset_rules(name: str, d: dict) -> tuple:
@@ -133,7 +132,7 @@ def load_preset(preset_or_path) -> MeshPreset:
         names = sorted(f[:-5] for f in os.listdir(MESH_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no mesh preset {preset_or_path!r} (presets: {names})")
     with open(p) as f:
-        d = yaml.safe_load(f) or {}
+        d = parse_yaml(f.read(), p) or {}
     name = os.path.splitext(os.path.basename(p))[0]
     unknown = sorted(set(d) - {"ici", "dcn", "rules", "rules_override", "device", "hbm_gib", "description",
                                "train_preset", "context_preset"})

@@ -110,3 +110,28 @@ def test_transformers_restated_keys_are_checked():
     assert cfg.to_hf() == d
     with pytest.raises(C.ConfigError, match="linear_num_heads"):
         C.ModelConfig.from_hf(_text(linear_num_heads=32))
+
+
+def test_extends_merges_partial_sections_and_refuses_duplicate_keys(tmp_path):
+    """A preset that `extends:` another changes only the keys it names, at any depth; a key
+    given twice in one YAML mapping is an error naming the line (PyYAML alone keeps the last)."""
+    lora_only = tmp_path / "a.yaml"
+    lora_only.write_text("extends: toy_lora\ntrain:\n  lora:\n    targets: ['*/self_attn/q_b_proj']\n")
+    train = C.load_k3(lora_only).train
+    parent = C.load_k3("toy_lora").train
+    assert train["lora"] == {**parent["lora"], "targets": ["*/self_attn/q_b_proj"]}
+    assert train["runtime"] == parent["runtime"] and train["steps"] == parent["steps"]
+
+    text_only = tmp_path / "b.yaml"
+    text_only.write_text("extends: toy\ntext_config:\n  num_experts: 16\n  linear_attn_config:\n    num_heads: 2\n")
+    cfg, toy = C.load(text_only), C.load("toy")
+    assert (cfg.num_experts, cfg.kda_num_heads) == (16, 2)
+    assert (cfg.kda_layers, cfg.kda_head_dim, cfg.hidden_size) == (toy.kda_layers, toy.kda_head_dim, toy.hidden_size)
+
+    for body, line in (("extends: toy\ntrain:\n  steps: 3\n  steps: 4\n", 4),
+                       ("extends: toy\ntrain: {lora: {rank: 2, rank: 3}}\n", 2),
+                       ("extends: toy\nextends: k3\n", 2)):
+        dup = tmp_path / "dup.yaml"
+        dup.write_text(body)
+        with pytest.raises(C.ConfigError, match=rf"dup.yaml:{line}:\d+: .*given twice"):
+            C.load_k3(dup)
