@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from k3jax.config import ModelConfig
+from k3jax.config import ConfigError, ModelConfig
 from k3jax.sharding import MeshPreset, entry_axes, fit_spec, logical_shards, param_specs
 
 GIB = 1 << 30
@@ -41,6 +41,20 @@ class PlanOptions:
     lora_targets: tuple[str, ...] | None = None   # None: k3jax.lora.DEFAULT_TARGETS
     lora_optimizer: str = "adamw"
     freeze: tuple[str, ...] = ()     # optimizer.freeze globs
+
+    def __post_init__(self):
+        def need(ok, key, why):   # named as `plan` and `compile` spell the flag
+            if not ok:
+                flag = {"ep_capacity_factor": "ep-capacity"}.get(key, key.replace("_", "-"))
+                raise ConfigError(f"--{flag} {getattr(self, key)!r}: {why}")
+        need(self.batch is None or self.batch >= 1, "batch", "global sequences must be >= 1")
+        need(self.seq >= 1, "seq", "tokens per sequence must be >= 1")
+        need(self.devices is None or self.devices >= 1, "devices", "must be >= 1")
+        need(self.hbm_gib is None or self.hbm_gib > 0, "hbm_gib", "per-device memory must be > 0")
+        need(self.ep_capacity_factor >= 0, "ep_capacity_factor", "must be >= 0 (0: dropless)")
+        need(self.prefill_chunk >= 1, "prefill_chunk", "must be >= 1")
+        need(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: full fine-tuning)")
+        need(self.lora_expert_rank is None or self.lora_expert_rank >= 1, "lora_expert_rank", "must be >= 1")
 
 
 def _sizes(spec, sizes: dict) -> int:
@@ -288,7 +302,11 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
     if opt.mode == "train" and (preset.train_preset or preset.context_preset):
         preset = preset_for(preset.name, "train", opt.batch, opt.devices)
     sizes = preset.shape(opt.devices)
-    batch = opt.batch or logical_shards(preset.rules, sizes, ("batch",))
+    shards = logical_shards(preset.rules, sizes, ("batch",))
+    batch = opt.batch or shards
+    if opt.mode == "train" and batch % shards:   # the train step places whole sequences per shard
+        raise ConfigError(f"batch {batch} does not split over the {shards} batch shards of mesh "
+                          f"{preset.name}: give a multiple of {shards}")
     state = state_bytes(cfg, preset, opt)
     act = activation_bytes(cfg, preset, opt, batch)
     caches = cache_bytes(cfg, preset, opt, batch)

@@ -190,3 +190,22 @@ def test_training_ep_buffers_hold_the_backward_and_the_expert_adapters():
     with_experts = moe(mode="train", lora_rank=4)
     assert attention_only == moe(mode="train")
     assert with_experts - attention_only == rows * (2 * F + H) * 2
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--batch", "-8"], "--batch -8: global sequences must be >= 1"),
+    (["--batch", "0"], "--batch 0: global sequences must be >= 1"),
+    (["--seq", "0"], "--seq 0: tokens per sequence must be >= 1"),
+    (["--hbm-gib", "-5"], "--hbm-gib -5.0: per-device memory must be > 0"),
+    (["--ep-capacity", "-1"], "--ep-capacity -1.0: must be >= 0"),
+    (["--lora-rank", "-2"], "--lora-rank -2: must be >= 0"),
+    (["--batch", "7"], "batch 7 does not split over the 128 batch shards of mesh v5p-1024-cp4: give a multiple of 128"),
+    (["--batch", "100", "--mesh", "data8"], "batch 100 does not split over the 8 batch shards of mesh data8"),
+])
+def test_bad_numbers_are_one_line_errors(flags, said, capsys):
+    """Every numeric flag range-checked and the batch placed on the mesh's batch shards before
+    anything is planned: exit 2 and one line, never a negative 'fits: yes'."""
+    mesh = [] if "--mesh" in flags else ["--mesh", "v5p-1024"]
+    assert main(["plan", "k3", *mesh, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err

@@ -105,15 +105,12 @@ def run(args) -> int:
     from k3jax.param_count import count_params
     from k3jax.plan import PlanOptions, plan
     from k3jax.sharding import load_preset, preset_for
-    from k3jax.train.config import parse_overrides
+    from k3jax.train.config import parse_overrides, resolve
 
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     k3 = load_k3(args.config)
     chip = _chip(args)
     devices = topology_devices(args.topology)
-    # training runs the layout `k3jax train --mesh` picks (a train or context preset)
-    preset = (preset_for(args.mesh, "train", args.batch, len(devices)) if args.mode == "train"
-              else load_preset(args.mesh))
     opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch, seq=args.seq,
                       remat=args.remat, optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=len(devices), hbm_gib=args.hbm_gib,
@@ -122,10 +119,16 @@ def run(args) -> int:
                       lora_expert_mode=args.lora_expert_mode,
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
                       lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
+    # training runs the layout `k3jax train --mesh` picks (a train or context preset)
+    preset = (preset_for(args.mesh, "train", args.batch, len(devices)) if args.mode == "train"
+              else load_preset(args.mesh))
     overrides = parse_overrides(args.overrides or [])
+    resolve(k3.train, overrides)   # train's own schema: an unknown key or a bad value is one line
     if args.ep_buffer_mib is not None:
         overrides.setdefault("runtime", {})["ep_buffer_mib"] = args.ep_buffer_mib
         k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=args.ep_buffer_mib))
+    # before the compile: the planner's checks (the batch's placement on the mesh) fail fast
+    pl = plan(k3.text, preset, opt, count_params(k3.text, k3.layout)["total"])
     log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)")
     out = {"config": args.config, "mesh": preset.name, "topology": args.topology, "devices": len(devices),
            "mode": args.mode, "chip": chip.name}
@@ -146,7 +149,6 @@ def run(args) -> int:
     cfg = run_config(k3.text.with_runtime(dtype=args.param_dtype), opt)
     model = _model_figures(cfg, args.mode, batch, batch * new)
     est = report.roofline(fig, chip, model["model_flops_per_step"], len(devices))
-    pl = plan(k3.text, preset, opt, count_params(k3.text, k3.layout)["total"])
     total = fig["memory"]["total"]
     out.update({
         "fits": bool(hbm is not None and total <= hbm), "hbm_bytes": hbm,

@@ -290,3 +290,19 @@ def test_toy_decode_compiles_for_a_v5p_topology():
     assert out["fits"] and out["layers_compiled"] == [13] and not out["extrapolated"]
     assert m["total"] == m["arguments"] + m["outputs"] - m["aliases"] + m["temporaries"] + m["generated_code"]
     assert out["plan_total_bytes"] > 0 and out["flops_per_step"] > 0 and out["estimated_step_s"] > 0
+
+
+@pytest.mark.skipif(_tpu_python() is None, reason="no [tpu] environment: set K3JAX_TPU_PYTHON to a Python with "
+                                                   "libtpu (pip install -e '.[tpu]' in a separate venv)")
+def test_compile_refuses_what_train_and_plan_refuse():
+    """key=value overrides go through train's schema and the numbers through the planner's
+    checks, before anything compiles: one line, exit 2 (they used to compile without them)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT)
+    for extra, said in ((["foo=1"], "train.foo: unknown key"), (["steps=abc"], "train.steps: expected an integer"),
+                        (["lora.rnk=16"], "train.lora.rnk: unknown key"), (["--batch", "0"], "--batch 0"),
+                        (["--batch", "3"], "batch 3 does not split over the 4 batch shards")):
+        r = subprocess.run([_tpu_python(), "-m", "k3jax.cli", "compile", "toy", "--mesh", "fsdp",
+                            "--topology", "v5p:2x2x1", "--mode", "train", *extra],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, (extra, r.stderr)
