@@ -146,3 +146,24 @@ def test_chat_input_errors_are_one_line(tmp_path, capsys):
     msgs.write_text('[{"role": "user",\n "content": }]')
     err = one_line_error(capsys, "generate", str(FIXTURES / "fixture_a"), "--messages", str(msgs))
     assert f"--messages {msgs}: not valid JSON" in err and "line 2" in err
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["forward", "toy", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["forward", "toy", "--seq", "abc"], "argument --seq: expected an integer, got 'abc'"),
+    (["generate", "toy", "--top-p", "0"], "argument --top-p: must be > 0 and <= 1, got 0"),
+    (["generate", "toy", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    (["generate", "toy", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["render-chat", "x.jsonl", "--limit", "0"], "argument --limit: must be >= 1, got 0"),
+    (["render-chat", "x.jsonl", "--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+    (["export", "a", "b", "--max-shard-gb", "0"], "argument --max-shard-gb: must be > 0, got 0"),
+    (["plan", "toy", "--mesh", "data8", "--ep-buffer-mib", "-1"], "argument --ep-buffer-mib: must be >= 0, got -1"),
+])
+def test_numeric_flags_are_range_checked(argv, said, capsys):
+    """A number out of range is argparse's usage error naming the flag and the range (exit 2)
+    before anything loads: not a silent default (`--limit 0` showed everything) or a traceback."""
+    from k3jax.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert said in capsys.readouterr().err

@@ -5,7 +5,27 @@ are shared by the commands that write files.
 """
 from __future__ import annotations
 
+import argparse
 import os
+
+
+def number(kind=int, low=None, high=None, low_open=False):
+    """An argparse `type` that range-checks: `--top-p 0` or `--limit -1` is argparse's usage
+    error naming the flag and the range (exit 2), never a silent default or a traceback."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+            hi = "" if high is None else f"<= {high}"
+            raise argparse.ArgumentTypeError(f"must be {' and '.join(x for x in (lo, hi) if x)}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def output_path(path: str, suffix: str | None = None) -> str:

@@ -10,6 +10,7 @@ import json
 import sys
 
 from k3jax.commands.plan import add_trained_flags
+from k3jax.commands import number
 
 
 def register(sub):
@@ -29,16 +30,16 @@ def register(sub):
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts as bf16 or as the checkpoint's MXFP4")
     p.add_argument("--ep-capacity", type=float, default=0.0, help="ep_capacity_factor (0: dropless)")
-    p.add_argument("--ep-buffer-mib", type=float, default=None,
+    p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
                    help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")
     add_trained_flags(p)
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill: tokens per device per chunk")
-    p.add_argument("--depths", type=int, nargs=2, metavar=("N1", "N2"), default=None,
+    p.add_argument("--prefill-chunk", type=number(int, 1), default=2048, help="prefill: tokens per device per chunk")
+    p.add_argument("--depths", type=number(int, 1), nargs=2, metavar=("N1", "N2"), default=None,
                    help="compile at these scanned-group counts and extrapolate to full depth "
                         "(default: compile full depth)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="override the chip's bf16 peak")
-    p.add_argument("--hbm-gbps", type=float, default=None, help="override the chip's HBM bandwidth (GB/s)")
-    p.add_argument("--ici-gbps", type=float, default=None, help="override the chip's one-way ICI bandwidth (GB/s)")
+    p.add_argument("--peak-tflops", type=number(float, 0, low_open=True), default=None, help="override the chip's bf16 peak")
+    p.add_argument("--hbm-gbps", type=number(float, 0, low_open=True), default=None, help="override the chip's HBM bandwidth (GB/s)")
+    p.add_argument("--ici-gbps", type=number(float, 0, low_open=True), default=None, help="override the chip's one-way ICI bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(fn=run)
 

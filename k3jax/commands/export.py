@@ -6,6 +6,8 @@ the release stores fp32; a run's fp32 norms stay fp32); the last lines say which
 changed dtype on the way."""
 from __future__ import annotations
 
+from k3jax.commands import number
+
 
 def register(sub):
     p = sub.add_parser("export", help="k3jax checkpoint or training run -> HF safetensors (released layout)")
@@ -17,7 +19,7 @@ def register(sub):
                      help="a LoRA run's adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors)")
     how.add_argument("--merge-lora", action="store_true",
                      help="a LoRA run folded into its base (W + (alpha/r)·B·A), experts re-quantized to MXFP4")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit (default 5 GB)")
+    p.add_argument("--max-shard-gb", type=number(float, 0, low_open=True), default=5.0, help="shard size limit (default 5 GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=run)
 

@@ -9,15 +9,16 @@ import contextlib
 import time
 
 from k3jax.config import KDA_IMPLS, MOE_DISPATCHES
+from k3jax.commands import number
 
 
 def register(sub):
     p = sub.add_parser("forward", help="forward pass with timings: random init, or a model directory's params")
     p.add_argument("config", nargs="?", default="toy",
                    help="preset / YAML / config.json (random init), or a model directory (its params)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=number(int, 1), default=2)
+    p.add_argument("--seq", type=number(int, 1), default=256)
+    p.add_argument("--repeats", type=number(int, 1), default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kda-impl", default="auto", choices=KDA_IMPLS)
     p.add_argument("--moe-dispatch", default="auto", choices=MOE_DISPATCHES,

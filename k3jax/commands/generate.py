@@ -27,6 +27,7 @@ import json
 import sys
 
 from k3jax.errors import InputError
+from k3jax.commands import number
 
 
 def register(sub):
@@ -44,10 +45,10 @@ def register(sub):
     p.add_argument("--json", action="store_true",
                    help="--messages: print the reply as JSON {reasoning_content, content, tool_calls}")
     p.add_argument("--tokenizer", help="tiktoken BPE file of the real vocabulary (tiktoken.model)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=number(int, 1), default=64)
+    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=number(int, 0), default=0)
+    p.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos-stop", action="store_true", help="keep generating past the eos token")
     p.add_argument("--out", help="write {'prompt_ids', 'generated_ids'} as JSON here")

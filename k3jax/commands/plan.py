@@ -4,12 +4,14 @@ from __future__ import annotations
 import functools
 import json
 
+from k3jax.commands import number
+
 
 def add_trained_flags(p):
     """What a train step trains: LoRA over a frozen base and freeze globs (plan and compile)."""
     p.add_argument("--lora-rank", type=int, default=0,
                    help="train with LoRA adapters of this rank over a frozen base (0: full fine-tuning)")
-    p.add_argument("--lora-expert-rank", type=int, default=None, help="rank of the routed-expert adapters")
+    p.add_argument("--lora-expert-rank", type=number(int, 1), default=None, help="rank of the routed-expert adapters")
     p.add_argument("--lora-expert-mode", choices=["per_expert", "shared_a"], default="per_expert")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="GLOB",
                    help="LoRA target globs (default: k3jax.lora.DEFAULT_TARGETS)")
@@ -36,7 +38,7 @@ def register(sub):
     p.add_argument("--ep-capacity", type=float, default=0.0,
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
     add_trained_flags(p)
-    p.add_argument("--ep-buffer-mib", type=float, default=None,
+    p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
                    help="RuntimeOptions.ep_buffer_mib of the run ('ep' exchanges run in chunks above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(fn=run)

@@ -12,6 +12,7 @@ import json
 import sys
 
 from k3jax.errors import InputError
+from k3jax.commands import number
 
 GREEN, DIM, RESET = "\033[32m", "\033[2m", "\033[0m"
 OPEN_MARK, CLOSE_MARK = "⟦", "⟧"
@@ -27,7 +28,7 @@ def register(sub):
                    help="effort message (default: the config's, else max); 'none' for no effort message")
     p.add_argument("--no-thinking", action="store_true", help="render with thinking off")
     p.add_argument("--train-on", choices=["all", "last"], help="train every assistant turn (default) or the last")
-    p.add_argument("--limit", type=int, default=0, help="show only the first N conversations")
+    p.add_argument("--limit", type=number(int, 1), default=None, help="show only the first N conversations")
     p.add_argument("--json", action="store_true", help="one JSON object per conversation")
     p.set_defaults(fn=run)
 
@@ -79,7 +80,7 @@ def run(args) -> int:
 
     tok, opts = _setup(args)
     rows = read_conversations(args.file)
-    if args.limit > 0:
+    if args.limit:
         rows = rows[:args.limit]
     colour = sys.stdout.isatty() and not args.json
     total = trained_total = 0
