@@ -87,8 +87,12 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            f.write(self._record())
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self._record())
+        except BaseException:      # a full disk: no empty lock left to refuse the next run
+            os.remove(self.path)
+            raise
         return True
 
     def holder(self) -> dict | None:

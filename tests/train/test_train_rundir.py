@@ -189,3 +189,31 @@ def test_data_states_follow_the_kept_checkpoints(tmp_path):
     assert rundir.read_data_state(str(tmp_path), 6, 0) == {"next_step": 6}
     with pytest.raises(RunDirError, match="process_1.json: missing"):
         rundir.read_data_state(str(tmp_path), 6, 1)
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch):
+    """A full disk when the lock is written: the error propagates (the CLI names the path) and
+    no empty run.lock stays to refuse the next run once space is freed."""
+    import errno
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run.lock"))
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(rundir.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    with pytest.raises(OSError, match="No space left"):
+        rundir.RunLock(str(tmp_path)).acquire()
+    assert not (tmp_path / "run.lock").exists()
+    monkeypatch.setattr(rundir.os, "fdopen", real_fdopen)
+    with rundir.RunLock(str(tmp_path)):              # space freed: the next run takes the lock at once
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
