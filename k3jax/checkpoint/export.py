@@ -236,6 +236,13 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     hf_config = json.loads((src.path / "config.json").read_text()) if src.kind == "orbax" else src.k3.to_hf()
     k3 = src.k3
     cfg, layout = k3.text, src.layout
+    # what the run is decides the export's kind: said before any format question
+    lora_run = src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
+    if lora_run and not merge_lora:
+        raise K3JaxError(f"{src.describe()} is a LoRA run: its checkpoints hold adapters, not a model; export "
+                         "them with --adapter (a PEFT directory) or fold them into the base with --merge-lora")
+    if merge_lora and not lora_run:
+        raise K3JaxError(f"{src.describe()}: --merge-lora needs a LoRA run (lora.rank > 0)")
     if not experts_bf16 and cfg.num_experts and not _has_quantization_config(hf_config):
         raise K3JaxError(f"{src.describe()}: its config.json has no quantization_config describing MXFP4 "
                          "experts (a config without MXFP4 experts); export with --experts-bf16")
@@ -245,12 +252,6 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         # would silently drop the vision tower
         raise K3JaxError(f"{src.path}: vision tensors in extra/ come from an older `k3jax convert`; "
                          "convert the HF directory again")
-    lora_run = src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
-    if lora_run and not merge_lora:
-        raise K3JaxError(f"{src.describe()} is a LoRA run: its checkpoints hold adapters, not a model; export "
-                         "them with --adapter (a PEFT directory) or fold them into the base with --merge-lora")
-    if merge_lora and not lora_run:
-        raise K3JaxError(f"{src.describe()}: --merge-lora needs a LoRA run (lora.rank > 0)")
     params = _lora_source(src) if lora_run else _Source(_Leaves(src.item_dir, src.prefix))
     scales_dir = src.path / "mxfp4_scales" if src.kind == "orbax" else None
     scales = _Leaves(scales_dir) if scales_dir is not None and scales_dir.exists() else None

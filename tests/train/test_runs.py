@@ -113,6 +113,9 @@ def test_logits_generate_and_export_of_a_run(run, tmp_path, capsys):
     # model's fp32 norms as fp32; the exported directory gives the run's logits
     assert cli.main(["export", str(run.dir), str(tmp_path / "hf")]) == 2       # no MXFP4 config
     assert "--experts-bf16" in capsys.readouterr().err
+    # --merge-lora on a run without LoRA says that first, whatever the expert format
+    assert cli.main(["export", str(run.dir), str(tmp_path / "hf"), "--merge-lora"]) == 2
+    assert "--merge-lora needs a LoRA run" in capsys.readouterr().err
     assert cli.main(["export", str(run.dir), str(tmp_path / "hf"), "--experts-bf16"]) == 0
     out = capsys.readouterr().out
     assert "from run" in out and "at step 4" in out and "no dtype casts" in out, out
