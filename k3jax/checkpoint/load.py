@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,6 +207,10 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
         if stored == k3.text.runtime.expert_format:
             params = restore_params(src.item_dir, k3.text, text_shardings, prefix=src.prefix)
         else:   # restored as saved, then widened or quantized onto the asked format
+            if k3.text.runtime.expert_format == "mxfp4":   # lossy: said, never silent
+                print(f"note: {src.describe()}: routed experts are stored as {stored}; quantizing them to "
+                      f"MXFP4 on load (4-bit values, one shared scale per 32: not the stored weights)",
+                      file=sys.stderr)
             as_stored = k3.text.with_runtime(expert_format=stored)
             params = restore_params(src.item_dir, as_stored, None if shardings is None else shardings(as_stored),
                                     prefix=src.prefix)

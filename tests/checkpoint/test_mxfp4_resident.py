@@ -95,3 +95,17 @@ def test_planner_state_bytes_equal_a_lora_over_mxfp4_runs_arrays():
     total = planned["params"] + planned["grads"] + planned["optimizer"]
     assert abs(total - real) <= 0.05 * real, (planned, real)
     assert planned["params"] == on_device(state.params)
+
+
+@pytest.mark.slow
+def test_quantizing_widened_experts_on_load_is_announced(tmp_path, capsys):
+    """Asking for MXFP4 experts from a checkpoint that stores them widened is lossy: the load
+    says so on stderr (a widening load, which is exact, says nothing)."""
+    b = need(FIXTURES / "fixture_b")
+    convert(b, tmp_path / "wide", expert_format="bf16")
+    capsys.readouterr()
+    load_model_dir(tmp_path / "wide", F32, expert_format="bf16")
+    assert "quantizing" not in capsys.readouterr().err
+    load_model_dir(tmp_path / "wide", F32, expert_format="mxfp4")
+    err = capsys.readouterr().err
+    assert "stored as bf16; quantizing them to MXFP4 on load" in err and str(tmp_path / "wide") in err
