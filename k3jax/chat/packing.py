@@ -13,7 +13,6 @@ dropped. The counts are returned for the run's log.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from k3jax.chat.images import image_size, user_images
 from k3jax.chat.sft import sft_example
+from k3jax.textfiles import jsonl_records
 from k3jax.errors import InputError
 
 ROW_OPTIONS = ("thinking", "thinking_effort", "tool_choice", "response_format")
@@ -39,14 +39,8 @@ def read_conversations(path: str) -> list[tuple[str, str, dict]]:
     if not p.exists():
         raise FileNotFoundError(f"dataset {path!r} not found")
     out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, row in jsonl_records(path):
         where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
             raise InputError(f"{where}: expected an object with a non-empty 'messages' list")
         if row.get("tools") is not None and not isinstance(row["tools"], list):

@@ -25,12 +25,12 @@ examples' trained assistant tokens, and rows with images carry their pixels.
 """
 from __future__ import annotations
 
-import json
 
 import numpy as np
 from etils import epath
 
 from k3jax.errors import InputError
+from k3jax.textfiles import jsonl_records, read_text
 
 
 def read_documents(path: str, text_key: str = "text") -> list[str]:
@@ -43,21 +43,14 @@ def read_documents(path: str, text_key: str = "text") -> list[str]:
         return [d for f in files for d in read_documents(f, text_key)]
     if not p.exists():
         raise FileNotFoundError(f"dataset {path!r} not found")
-    text = p.read_text(encoding="utf-8")
     if str(path).endswith(".jsonl"):
         docs = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        for n, obj in jsonl_records(path):
             if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
                 raise InputError(f"{path}:{n}: expected an object with a string {text_key!r} field")
             docs.append(obj[text_key])
     else:
-        docs = [d.strip() for d in text.split("\n\n")]
+        docs = [d.strip() for d in read_text(path).split("\n\n")]
     docs = [d for d in docs if d]
     if not docs:
         raise InputError(f"{path}: no documents")

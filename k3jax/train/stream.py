@@ -27,13 +27,13 @@ a function of the files, seed and process count: another process count is anothe
 """
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
 from etils import epath
 
 from k3jax.errors import K3JaxError, require
+from k3jax.textfiles import decode, json_line
 from k3jax.train.data import rows_to_batch
 
 _SEP = {"jsonl": re.compile(rb"\n"), "txt": re.compile(rb"\n\n+")}
@@ -134,17 +134,16 @@ def records(f, kind: str, start: int, end: int, offset: int | None = None):
         pos = nxt
 
 
-def parse(raw: bytes, kind: str, text_key: str, where: str) -> str | None:
-    """A record's document text (None for a blank one), as `data.read_documents` reads it."""
-    text = raw.decode("utf-8")
+def parse(raw: bytes, kind: str, text_key: str, name: str, at: int = 0) -> str | None:
+    """The document text of the record at byte `at` of file `name` (None for a blank one),
+    as `data.read_documents` reads it."""
+    text = decode(raw, name, first_line=None, base=at)
+    where = f"{name} (byte {at})"
     if kind == "txt":
         return text.strip() or None
     if not text.strip():
         return None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise K3JaxError(f"{where}: not valid JSON ({e.msg})") from None
+    obj = json_line(text, where)
     if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
         raise K3JaxError(f"{where}: expected an object with a string {text_key!r} field")
     return obj[text_key] or None
@@ -198,8 +197,7 @@ def document_stream(files, text_key: str, seed: int, process_index: int, process
                         self.epoch, self.unit, self._order = self.epoch + 1, 0, None
                     continue
                 self.offset = nxt
-                text = parse(raw, "jsonl" if self._name.endswith(".jsonl") else "txt", text_key,
-                             f"{self._name} (byte {at})")
+                text = parse(raw, "jsonl" if self._name.endswith(".jsonl") else "txt", text_key, self._name, at)
                 if text is not None:
                     return {"text": text}
 

@@ -92,3 +92,34 @@ def test_packed_row_loss_equals_per_document_loss():
         separate, n = separate + float(l), n + int(c)
     assert int(count) == n
     np.testing.assert_allclose(float(packed), separate, rtol=1e-5)
+
+
+def test_undecodable_bytes_name_the_file_line_and_byte(tmp_path, capsys):
+    """Every reader of the user's text data (documents .txt/.jsonl, chat .jsonl, the streamed
+    loader's records, render-chat) refuses bytes that are not UTF-8 in one line naming the
+    file, the line where it knows it, and the byte offset (a traceback before)."""
+    from k3jax.chat.packing import read_conversations
+    from k3jax.cli import main
+    from k3jax.errors import InputError
+    from k3jax.train import stream
+
+    good = '{"text": "fine"}\n'.encode()
+    bad = good + b'{"text": "caf\xe9"}\n'          # Latin-1 é at byte len(good) + 13
+    offset = len(good) + 13
+    cases = {"docs.jsonl": (bad, lambda p: read_documents(p)),
+             "docs.txt": (b"one\n\ntwo \xff\xfe three\n", lambda p: read_documents(p)),
+             "chat.jsonl": (b'{"messages": [{"role": "user", "content": "hi"}]}\n' + b'\x80\n',
+                            lambda p: read_conversations(p))}
+    for name, (data, read) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        byte = data.index(next(b for b in (b"\xe9", b"\xff", b"\x80") if b in data))
+        line = data.count(b"\n", 0, byte) + 1
+        with pytest.raises(InputError, match=rf"{path}:{line}: not UTF-8 text \(byte {byte} "):
+            read(str(path))
+    with pytest.raises(InputError, match=rf"x.jsonl: not UTF-8 text \(byte {offset} "):
+        stream.parse(bad[len(good):], "jsonl", "text", "x.jsonl", len(good))
+    chat = tmp_path / "chat.jsonl"
+    assert main(["render-chat", str(chat)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{chat}:2: not UTF-8 text (byte" in err, err

@@ -1,0 +1,40 @@
+"""The user's text data files, read one way: UTF-8 checked, JSON Lines parsed, every failure
+one line naming the file, the line and (for bad bytes) the byte offset."""
+from __future__ import annotations
+
+import json
+
+from etils import epath
+
+from k3jax.errors import InputError
+
+
+def decode(data: bytes, where: str, first_line: int | None = 1, base: int = 0) -> str:
+    """`data` (starting at byte `base` of the file `where`, on line `first_line` when known) as
+    UTF-8; undecodable bytes are an InputError naming the file, the line and the byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        newlines = data.count(b"\n", 0, e.start)
+        line = "" if first_line is None else f":{first_line + newlines}"
+        raise InputError(f"{where}{line}: not UTF-8 text (byte {base + e.start} is "
+                         f"{data[e.start:e.start + 1]!r}); save the file as UTF-8") from None
+
+
+def read_text(path) -> str:
+    """A whole file (local or a URL through etils.epath) as UTF-8 text."""
+    return decode(epath.Path(path).read_bytes(), str(path))
+
+
+def json_line(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+
+
+def jsonl_records(path):
+    """(line number, object) of each non-blank line of a .jsonl file."""
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if line.strip():
+            yield n, json_line(line, f"{path}:{n}")
