@@ -281,7 +281,17 @@ def _run(config_path: str, overrides, log, mesh) -> int:
     cfg = run_model_config(k3, tc)
     run_dir = rundir.run_dir(tc["output_dir"], tc["run_name"])
     _preflight(cfg, tc)
+    created = rundir.first_missing(run_dir)
     rundir.make_dirs(run_dir)
+    try:
+        return _run_in(k3, cfg, tc, run_dir, config_path, main, say, log, mesh)
+    except BaseException:
+        if created and main:
+            rundir.remove_if_nothing_saved(run_dir, created, checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}"))
+        raise
+
+
+def _run_in(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
     saved = checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}")
     if saved:
         rundir.check_resume(run_dir, k3, tc, log)     # every process: they all refuse alike

@@ -25,7 +25,7 @@ import time
 
 from etils import epath
 
-from k3jax.checkpoint.dirs import RUN_CONFIG, RUN_DATA_STATE, RUN_LOCK, is_url, pid_alive
+from k3jax.checkpoint.dirs import RUN_CONFIG, RUN_DATA_STATE, RUN_LOCK, RUN_METRICS, is_url, pid_alive
 from k3jax.errors import RunDirError
 
 HEARTBEAT_S = 30.0
@@ -42,6 +42,22 @@ def run_dir(output_dir, run_name) -> str:
 
 def make_dirs(path: str):
     epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def first_missing(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (what make_dirs will create)."""
+    p, top = epath.Path(path), None
+    while not p.exists() and p.parent != p:
+        p, top = p.parent, p
+    return None if top is None else str(top)
+
+
+def remove_if_nothing_saved(path: str, created: str, checkpoints: list[int]) -> None:
+    """Remove `created` (the folders a run made for its directory `path`) when the run ended
+    before any checkpoint and any metrics line: a refused or failed start leaves nothing behind."""
+    metrics = epath.Path(path) / RUN_METRICS
+    if not checkpoints and not (metrics.exists() and metrics.read_text().strip()) and epath.Path(created).exists():
+        epath.Path(created).rmtree()
 
 
 def write_text(path: str, text: str):

@@ -217,3 +217,15 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch)
     monkeypatch.setattr(rundir.os, "fdopen", real_fdopen)
     with rundir.RunLock(str(tmp_path)):              # space freed: the next run takes the lock at once
         assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_refused_start_leaves_no_directory(tmp_path, capsys):
+    """A run that stops before its first checkpoint or metrics line (here: data that is not
+    UTF-8) removes the folders it created; an existing output folder is left as it was."""
+    from k3jax.cli import main
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"one\n\ntwo \xff three\n")
+    for out, made in ((tmp_path / "new" / "runs", tmp_path / "new"), (tmp_path, tmp_path / "toy")):
+        assert main(["train", "toy", f"data.path={bad}", f"output_dir={out}", "steps=1"]) == 2
+        assert "not UTF-8 text" in capsys.readouterr().err
+        assert not made.exists() and tmp_path.exists() and bad.exists()
