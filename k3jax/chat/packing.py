@@ -13,6 +13,7 @@ dropped. The counts are returned for the run's log.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -62,11 +63,61 @@ class Example:
     dropped_reasoning: bool = False      # thinking off, so the turns' reasoning was not rendered
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_training_record(messages: list, where: str) -> None:
+    """What the renderer would take but a training example must not hold: roles outside K3's
+    format (dropped by the renderer), assistant turns with neither content nor tool calls
+    (an empty answer trained), tool-call arguments that are not a JSON object (trained
+    verbatim), tool results answering no call of the assistant turn before them."""
+    from k3jax.chat.messages import call_function
+    calls: set | None = None          # the ids the last assistant turn's tool calls carry
+    for i, m in enumerate(messages):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise InputError(f"{at}: a message must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            hint = " (map developer messages to system ones)" if role == "developer" else ""
+            raise InputError(f"{at}: role {role!r} is not one of {', '.join(ROLES)}{hint}")
+        if role == "assistant":
+            tool_calls = m.get("tool_calls") or []
+            content = m.get("content")
+            if not tool_calls and not (content.strip() if isinstance(content, str) else content):
+                raise InputError(f"{at}: an assistant turn needs 'content' or 'tool_calls' (it would train "
+                                 "an empty answer)")
+            calls = set()
+            for j, call in enumerate(tool_calls):
+                fn = call_function(call, f"{at}.tool_calls[{j}]")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else None
+                    except json.JSONDecodeError as e:
+                        raise InputError(f"{at}.tool_calls[{j}].function.arguments: not JSON ({e.msg})") from None
+                if args is not None and not isinstance(args, dict):
+                    raise InputError(f"{at}.tool_calls[{j}].function.arguments: must be a JSON object, "
+                                     f"got {type(args).__name__}")
+                if call.get("id") is not None:
+                    calls.add(str(call["id"]))
+        elif role == "tool":
+            if calls is None:
+                raise InputError(f"{at}: a tool result with no assistant tool call before it")
+            cid = m.get("tool_call_id", m.get("id"))
+            if cid is not None and str(cid) not in calls:
+                raise InputError(f"{at}.tool_call_id: {cid!r} answers no call of the assistant turn before it "
+                                 f"(its calls: {sorted(calls) or 'none with an id'})")
+        else:
+            calls = None if role == "user" else calls
+
+
 def build_example(where: str, base_dir: str, row: dict, tokenizer, options: dict, image_grid=None) -> Example:
     """The SFT example of one JSONL row. `options`: sft_example keywords (thinking,
     thinking_effort, train_on); `image_grid(width, height)` -> (grid, feature rows) is
     required when the conversation holds images."""
     opts = {**options, **{k: row[k] for k in ROW_OPTIONS if k in row}}
+    check_training_record(row["messages"], where)
     try:
         sources = user_images(row["messages"], base_dir, where)
         sizes = [image_size(s) for s in sources]

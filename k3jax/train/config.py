@@ -15,7 +15,8 @@ start), sample_prompt, sample_tokens.
              chat is read by the memory loader),
              chat: train_on ('all' assistant turns | 'last'), thinking, thinking_effort
              ('low' | 'high' | 'max' | null), truncate (cut conversations longer than a row;
-             false drops them)
+             false drops them), on_bad_record ('error': a record the checks refuse stops the
+             run naming file:line and the field | 'skip': counted in the data summary)
   optimizer: lr (Muon), adam_lr (null = lr; Moonlight's RMS matching lets them share one),
              warmup_steps, schedule ('cosine' | 'constant'), min_lr_ratio, weight_decay,
              b1, b2, eps, grad_clip, muon_beta, ns_steps, muon_rms (0.2),
@@ -65,7 +66,8 @@ DEFAULTS = {
     "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "auto", "bpe_file": None,
              "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1,
              "loader": "memory", "shuffle_window": 1024, "format": "text",
-             "chat": {"train_on": "all", "thinking": True, "thinking_effort": "max", "truncate": True}},
+             "chat": {"train_on": "all", "thinking": True, "thinking_effort": "max", "truncate": True,
+                      "on_bad_record": "error"}},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -202,7 +204,8 @@ SCHEMA = {
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
              "shuffle_window": _int(0), "format": _one_of("text", "chat"),
              "chat": {"train_on": _one_of("all", "last"), "thinking": _bool,
-                      "thinking_effort": _one_of("low", "high", "max", None), "truncate": _bool}},
+                      "thinking_effort": _one_of("low", "high", "max", None), "truncate": _bool,
+                      "on_bad_record": _one_of("error", "skip")}},
     # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
     "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),

@@ -128,7 +128,7 @@ class ChatDataset(PackedDataset):
     in token order (the train step's multimodal batch)."""
 
     def __init__(self, conversations, tokenizer, seq_len: int, pad_id: int, *, options: dict,
-                 truncate: bool = True, vision=None, media=None):
+                 truncate: bool = True, vision=None, media=None, on_bad_record: str = "error"):
         from k3jax.chat.packing import build_example, pack_examples
         if seq_len < 2:
             raise InputError(f"seq_len must be at least 2, got {seq_len}")
@@ -141,8 +141,16 @@ class ChatDataset(PackedDataset):
             def grid_of(w, h):
                 plan = resize_plan(w, h, media)
                 return (1, plan["grid_h"], plan["grid_w"]), (plan["grid_h"] // kh) * (plan["grid_w"] // kw)
-        examples = [build_example(where, folder, row, tokenizer, options, grid_of)
-                    for where, folder, row in conversations]
+        examples, self.skipped = [], []     # skipped: 'file:line: why' of each bad record
+        for where, folder, row in conversations:
+            try:
+                examples.append(build_example(where, folder, row, tokenizer, options, grid_of))
+            except InputError as e:
+                if on_bad_record != "skip":
+                    raise
+                self.skipped.append(str(e))
+        if not examples and self.skipped:
+            raise InputError(f"no usable conversation: all {len(self.skipped)} skipped (first: {self.skipped[0]})")
         packed = pack_examples(examples, seq_len, pad_id, truncate)
         packed.stats["reasoning_dropped"] = sum(e.dropped_reasoning for e in examples)
         self.tokens, self.segs, self.train, self.images = packed.tokens, packed.segs, packed.train, packed.images
@@ -156,7 +164,9 @@ class ChatDataset(PackedDataset):
                 f"({s['dropped_untrained']} with no trained token, {s['dropped_long']} too long); "
                 f"{s['tokens']:,d} tokens ({s['trained_tokens']:,d} trained) in {self.n_rows} rows of {self.seq_len}"
                 + (f"; {s['reasoning_dropped']} rendered with thinking off lost their reasoning"
-                   if s["reasoning_dropped"] else ""))
+                   if s["reasoning_dropped"] else "")
+                + (f"; {len(self.skipped)} bad records skipped (data.chat.on_bad_record=skip; first: "
+                   f"{self.skipped[0]})" if self.skipped else ""))
 
     def batch(self, seed: int, step: int, batch_size: int, grad_accum: int = 1) -> dict:
         idx = self.row_indices(seed, step, batch_size * grad_accum)
@@ -195,7 +205,7 @@ def build_dataset(data: dict, tokenizer, k3, path: str, media_dir: str | None = 
                              f"config's media_placeholder_token_id ({k3.top['media_placeholder_token_id']})")
     options = {"train_on": chat["train_on"], "thinking": chat["thinking"], "thinking_effort": chat["thinking_effort"]}
     ds = ChatDataset(read_conversations(path), tokenizer, data["seq_len"], k3.text.pad_token_id, options=options,
-                     truncate=chat["truncate"], vision=vision, media=media)
+                     truncate=chat["truncate"], vision=vision, media=media, on_bad_record=chat["on_bad_record"])
     if ds.has_images and data["grad_accum"] != 1:
         raise InputError(f"{path}: chat data with images needs data.grad_accum=1 (a step's image grids are static)")
     return ds

@@ -1,6 +1,7 @@
 """Data: packing, loss masks, (seed, step) order, JSONL, the tiktoken tokenizer, and
 packed-row loss == per-document loss through the real model."""
 import base64
+import re
 import json
 
 import jax
@@ -123,3 +124,45 @@ def test_undecodable_bytes_name_the_file_line_and_byte(tmp_path, capsys):
     assert main(["render-chat", str(chat)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{chat}:2: not UTF-8 text (byte" in err, err
+
+
+BAD_CHATS = [   # (messages, what the error names)
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}],
+     "messages[1].tool_calls[0].function.arguments: not JSON"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": "[1, 2]"}}]}],
+     "messages[1].tool_calls[0].function.arguments: must be a JSON object, got list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}],
+     "messages[1]: an assistant turn needs 'content' or 'tool_calls'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": {}}}]},
+      {"role": "tool", "tool_call_id": "c9", "content": "42"}, {"role": "assistant", "content": "ok"}],
+     "messages[2].tool_call_id: 'c9' answers no call"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+     "messages[1]: a tool result with no assistant tool call before it"),
+    ([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "ok"}], "messages[0]: role 'developer' is not one of"),
+]
+
+
+def test_broken_conversations_are_refused_or_skipped_and_counted(tmp_path):
+    """Chat SFT data is checked before training: each broken record names file:line and the
+    field; with data.chat.on_bad_record=skip they are counted and the good ones train."""
+    from k3jax.chat.packing import read_conversations
+    from k3jax.errors import InputError
+    from k3jax.train.data import ChatDataset
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "assistant", "content": "42 it is"}]}
+    rows = [good] + [{"messages": m} for m, _ in BAD_CHATS]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    conversations = read_conversations(str(path))
+    tok, opts = ByteTokenizer(), {"train_on": "all", "thinking": True, "thinking_effort": "low"}
+    for (where, folder, row), (_, said) in zip(conversations[1:], BAD_CHATS):
+        with pytest.raises(InputError, match=re.escape(f"{where}: {said}")):
+            ChatDataset([conversations[0], (where, folder, row)], tok, 800, 511, options=opts)
+    ds = ChatDataset(conversations, tok, 800, 511, options=opts, on_bad_record="skip")
+    assert len(ds.skipped) == len(BAD_CHATS) and ds.stats["conversations"] == 1
+    assert f"{len(BAD_CHATS)} bad records skipped" in ds.summary() and f"{path}:2:" in ds.summary()
