@@ -264,7 +264,12 @@ def parse_overrides(items: list[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: not a YAML value ({' '.join(str(e).split())})") from None
+            hint = ""
+            if raw.lstrip()[:1] in "*&!%@`|>":   # YAML indicators: '*/w1' reads as an alias
+                hint = f"; a text starting with {raw.lstrip()[0]!r} needs quotes: {key}='\"{raw}\"'"
+                if key.strip().endswith("freeze"):
+                    hint = f"; quote the glob and give a list: {key}='[\"{raw}\"]'"
+            raise ConfigError(f"override {item!r}: not a YAML value ({' '.join(str(e).split())}){hint}") from None
         node = out
         parts = key.strip().split(".")
         if not all(parts):

@@ -1,6 +1,7 @@
 """The train config is validated as a whole: every bad value is an error naming its key
 (and, for enums, the allowed values); nothing is silently accepted or reinterpreted."""
 import math
+import re
 
 import pytest
 
@@ -174,3 +175,21 @@ def test_the_runtime_section_is_runtime_options():
     assert rt == {k: getattr(RuntimeOptions(), k) for k in fields}
     got = RuntimeOptions(**resolve("runtime.ep_buffer_mib=256", "runtime.kda_chunk_size=32")["runtime"])
     assert (got.ep_buffer_mib, got.kda_chunk_size) == (256.0, 32)
+
+
+@pytest.mark.parametrize("item,hint", [
+    ("optimizer.freeze=*/w1", """quote the glob and give a list: optimizer.freeze='["*/w1"]'"""),
+    ("run_name=&x/y", """a text starting with '&' needs quotes: run_name='"&x/y"'"""),
+    ("data.path=@file", """a text starting with '@' needs quotes"""),
+])
+def test_yaml_indicators_in_overrides_say_how_to_quote(item, hint):
+    """An override value YAML cannot read is one ConfigError naming the override and, where the
+    cause is a leading YAML indicator (a glob's '*'), how to quote it; the quoted form is read."""
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        tconf.parse_overrides([item])
+    key, raw = item.split("=", 1)
+    fixed = f'["{raw}"]' if key.endswith("freeze") else f'"{raw}"'
+    node = tconf.parse_overrides([f"{key}={fixed}"])
+    for part in key.split("."):
+        node = node[part]
+    assert node == ([raw] if key.endswith("freeze") else raw)
