@@ -8,8 +8,12 @@ starts a backend, and names the target for the code that picks forms by backend
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 from dataclasses import dataclass
+
+from k3jax.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,23 @@ def host_environment(platform: str = "tpu") -> None:
         os.environ.setdefault(k, v)
 
 
+_TOPOLOGY = re.compile(r"^[a-z0-9]+:\d+(x\d+){1,2}$")
+
+
 def topology_devices(name: str):
     """The devices of a TPU topology such as 'v5p:8x8x8' (libtpu must be installed)."""
+    if not _TOPOLOGY.match(name.lower()):
+        raise ConfigError(f"--topology {name!r}: expected CHIP:AxBxC such as v5p:8x8x8 or v6e:16x16 "
+                          f"(chips with figures here: {', '.join(CHIPS)})")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError("k3jax compile needs the TPU compiler (libtpu), which this environment lacks: run it "
+                          "in the [tpu] environment, a separate venv with `pip install -e \".[tpu]\"` (README)")
     try:
         from jax.experimental import topologies
         topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:   # noqa: BLE001 — libtpu's errors name neither the cause nor the fix
-        raise RuntimeError(
-            f"topology {name!r}: libtpu could not describe it ({type(e).__name__}: {str(e)[:200]}). "
-            f"`k3jax compile` runs in the [tpu] environment: a separate venv with "
-            f"`pip install -e \".[tpu]\"` (see README)") from None
+        why = " ".join(str(e).split())[:200]
+        fix = ("each dimension must be a multiple of a host's chips (v5p: 2x2x1), e.g. v5p:8x8x8"
+               if chip_for(name) else f"name a TPU generation, e.g. {', '.join(c + ':8x8' for c in CHIPS)}")
+        raise ConfigError(f"--topology {name!r}: libtpu cannot lay it out ({why}); {fix}") from None
     return list(topo.devices)

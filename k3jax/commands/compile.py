@@ -51,8 +51,11 @@ def _chip(args):
     chip = chip_for(args.topology)
     if chip is None:
         if None in (args.peak_tflops, args.hbm_gbps, args.ici_gbps):
-            raise ValueError(f"topology {args.topology}: no published figures for this chip here; give "
-                             f"--peak-tflops, --hbm-gbps and --ici-gbps")
+            from k3jax.aot.chips import CHIPS
+            from k3jax.config import ConfigError
+            raise ConfigError(f"--topology {args.topology}: no published figures here for chip "
+                              f"{args.topology.split(':')[0]!r} (known: {', '.join(CHIPS)}); give --peak-tflops, "
+                              f"--hbm-gbps and --ici-gbps for another")
         chip = Chip(args.topology.split(":")[0], 0, 0, 0, 0, "command line")
     over = {k: v for k, v in (("peak_flops", args.peak_tflops and args.peak_tflops * 1e12),
                               ("hbm_bandwidth", args.hbm_gbps and args.hbm_gbps * 1e9),
@@ -110,8 +113,8 @@ def run(args) -> int:
 
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     k3 = load_k3(args.config)
+    devices = topology_devices(args.topology)      # its form and libtpu first: the fix they name
     chip = _chip(args)
-    devices = topology_devices(args.topology)
     opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch, seq=args.seq,
                       remat=args.remat, optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=len(devices), hbm_gib=args.hbm_gib,

@@ -306,3 +306,21 @@ def test_compile_refuses_what_train_and_plan_refuse():
                             "--topology", "v5p:2x2x1", "--mode", "train", *extra],
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, (extra, r.stderr)
+
+
+def test_topology_and_environment_errors_name_the_fix():
+    """A malformed --topology, or compile outside the [tpu] environment, is one line naming
+    the fix (exit 2), before anything loads; in the [tpu] environment a topology libtpu cannot
+    lay out says what a valid one looks like."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(ROOT)
+    cases = [(sys.executable, "banana", "expected CHIP:AxBxC such as v5p:8x8x8")]
+    if importlib.util.find_spec("libtpu") is None:
+        cases.append((sys.executable, "v5p:2x2x1", "needs the TPU compiler (libtpu)"))
+    if _tpu_python() is not None:
+        cases += [(_tpu_python(), "v5p:9x9x9", "each dimension must be a multiple of a host's chips"),
+                  (_tpu_python(), "x9:2x2x1", "name a TPU generation")]
+    for python, topology, said in cases:
+        r = subprocess.run([python, "-m", "k3jax.cli", "compile", "toy", "--mesh", "fsdp", "--topology", topology],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
