@@ -167,3 +167,26 @@ def test_numeric_flags_are_range_checked(argv, said, capsys):
         main(argv)
     assert e.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_disk_errors_while_writing_name_the_output(tmp_path, capsys, monkeypatch):
+    """convert and export on a full disk (an OSError without a file name, or tensorstore's
+    ValueError naming a chunk of a temporary folder) end as one line naming the output they
+    were writing; any other error keeps its traceback."""
+    import errno
+
+    from k3jax.commands import writing
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing local file "/x/.o.tmp/params/a/0.0.0": Failed '
+                             "to write 16384 bytes to file 5: No space left on device [os_error_code='28']")
+    for raised, code in ((OSError(errno.ENOSPC, "No space left on device"), errno.ENOSPC), (tensorstore, errno.ENOSPC),
+                         (ValueError("Disk quota exceeded [os_error_code='122']"), errno.EDQUOT),
+                         (OSError(errno.EROFS, "Read-only file system"), errno.EROFS)):
+        with pytest.raises(OSError) as e, writing(tmp_path / "out"):
+            raise raised
+        assert (e.value.errno, e.value.filename) == (code, str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="a bug"), writing(tmp_path / "out"):
+        raise ValueError("a bug")
+    from k3jax.checkpoint import convert as conv
+    monkeypatch.setattr(conv, "convert", lambda *a, **k: (_ for _ in ()).throw(tensorstore))
+    assert cli.main(["convert", str(tmp_path), str(tmp_path / "orbax")]) == 2
+    assert capsys.readouterr().err.strip() == f"k3jax convert: error: {tmp_path / 'orbax'}: No space left on device"

@@ -6,6 +6,8 @@ are shared by the commands that write files.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 
 
@@ -56,3 +58,23 @@ def atomic_write(path: str, write) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+_DISK = (("No space left", errno.ENOSPC), ("os_error_code='28'", errno.ENOSPC), ("Disk quota", errno.EDQUOT),
+         ("os_error_code='122'", errno.EDQUOT), ("Read-only file system", errno.EROFS),
+         ("File too large", errno.EFBIG))
+
+
+@contextlib.contextmanager
+def writing(path):
+    """A disk error while a command writes `path` (an OSError without a name, or tensorstore's
+    ValueError naming one chunk file of a temporary folder) re-raised as an OSError naming
+    `path`: the CLI's one line says which output did not fit."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        text = " ".join(str(e).split())
+        code = e.errno if isinstance(e, OSError) else next((c for w, c in _DISK if w in text), None)
+        if code not in {c for _, c in _DISK}:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from e

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
+from k3jax.commands import writing
+
 
 def register(sub):
     p = sub.add_parser("convert", help="HF safetensors checkpoint -> k3jax Orbax checkpoint (streamed)")
@@ -38,8 +40,9 @@ def run(args) -> int:
         print("k3jax convert: error: OUT_DIR is required unless --dry-run", file=sys.stderr)
         return 2
     t = time.perf_counter()
-    m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, log=print,
-                expert_format=args.expert_format)
+    with writing(args.out_dir):
+        m = convert(args.hf_dir, args.out_dir, progress=not args.no_progress, log=print,
+                    expert_format=args.expert_format)
     dt = time.perf_counter() - t
     print(f"wrote {args.out_dir}: {m['tensors']:,d} tensors, {m['source_bytes'] / 2**20:,.1f} MiB read "
           f"in {dt:.1f} s ({m['source_bytes'] / 2**20 / max(dt, 1e-9):,.1f} MiB/s); experts {m['experts']} "

@@ -6,7 +6,7 @@ the release stores fp32; a run's fp32 norms stay fp32); the last lines say which
 changed dtype on the way."""
 from __future__ import annotations
 
-from k3jax.commands import number
+from k3jax.commands import number, writing
 
 
 def register(sub):
@@ -28,7 +28,8 @@ def run(args) -> int:
     from k3jax.checkpoint.export import export, export_adapter
 
     if args.adapter:
-        r = export_adapter(args.ckpt_dir, args.hf_dir, log=print)
+        with writing(args.hf_dir):
+            r = export_adapter(args.ckpt_dir, args.hf_dir, log=print)
         print(f"wrote {args.hf_dir} from {r['source']}: PEFT LoRA adapter, rank {r['rank']}, "
               f"{r['tensors']:,d} tensors ({r['bytes'] / 2**20:,.1f} MiB) on {len(r['targets'])} module kinds "
               f"({', '.join(r['targets'])}); routed experts per expert (experts.E.w1/w2/w3)")
@@ -37,9 +38,10 @@ def run(args) -> int:
                   f"modules_to_save 'block_sparse_moe.gate': PEFT applies them; a server that rejects "
                   f"modules_to_save needs a run with the router frozen, or --merge-lora")
         return 0
-    r = export(args.ckpt_dir, args.hf_dir, experts_bf16=args.experts_bf16,
-               max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress, log=print,
-               merge_lora=args.merge_lora)
+    with writing(args.hf_dir):
+        r = export(args.ckpt_dir, args.hf_dir, experts_bf16=args.experts_bf16,
+                   max_shard_bytes=int(args.max_shard_gb * 1e9), progress=not args.no_progress, log=print,
+                   merge_lora=args.merge_lora)
     print(f"wrote {args.hf_dir} from {r['source']}: {r['tensors']:,d} tensors in {r['shards']} shards, "
           f"{r['total_size'] / 2**20:,.1f} MiB; routed experts {'bf16' if args.experts_bf16 else 'MXFP4'}")
     if r["kept_fp32"]:
