@@ -113,6 +113,11 @@ def _rules_from_yaml(name: str, table: dict) -> tuple:
     unknown = sorted(set(table) - set(LOGICAL_AXES))
     if unknown:
         raise ConfigError(f"mesh {name}: unknown logical axes {unknown} (known: {LOGICAL_AXES})")
+    # an axis left out would replicate every weight dim on it without a word: name each one
+    missing = [a for a in LOGICAL_AXES if a not in table]
+    if missing and table:     # (no table at all: every weight whole on every device, as written)
+        raise ConfigError(f"mesh {name}: no rule for logical axes {missing} (write `AXIS: null` to keep "
+                          f"a dim whole on every device)")
     rules = []
     for logical, mesh_axes in table.items():
         axes = entry_axes(mesh_axes)

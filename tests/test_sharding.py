@@ -320,7 +320,7 @@ def test_multislice_layout_on_cpu(tmp_path):
     """Two fake 'slices' of 4: the DCN axis is outermost and each slice is a contiguous
     device group, as create_hybrid_device_mesh lays out real slices."""
     (tmp_path / "two.yaml").write_text("ici: {fsdp: 2, expert: 2}\ndcn: {fsdp: 2}\n"
-                                       "rules: {batch: [data, fsdp, expert], expert: expert}\n")
+                                       "rules: zero3\n")
     mesh, _ = sharding.load_mesh(str(tmp_path / "two.yaml"))
     assert mesh.axis_names[0] == "fsdp" and mesh.shape["fsdp"] == 4
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(4, -1)
@@ -507,3 +507,13 @@ def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the
                           jnp.ones((4, 2)), ws, {})
     with pytest.raises(ConfigError, match="ep_exchange"):
         load("toy", ep_exchange="fast")
+
+
+def test_a_rules_table_names_every_logical_axis(tmp_path):
+    """A logical axis a preset's rules leave out would replicate every weight dim on it
+    silently (at pod scale an OOM): refused, naming the axes; `AXIS: null` keeps one whole."""
+    (tmp_path / "part.yaml").write_text("ici: {expert: 8}\nrules: {batch: expert, expert: expert}\n")
+    with pytest.raises(ConfigError, match=r"mesh part: no rule for logical axes \['length', 'embed'"):
+        sharding.load_preset(str(tmp_path / "part.yaml"))
+    (tmp_path / "gap.yaml").write_text("ici: {expert: 8}\nrules: zero3\nrules_override: {latent: null}\n")
+    assert dict(sharding.load_preset(str(tmp_path / "gap.yaml")).rules)["latent"] is None
