@@ -69,7 +69,8 @@ def _prod(xs) -> int:
 def plan_row(preset: str, mode: str, choice: str) -> dict:
     n = _devices(preset)
     if mode == "train":
-        batch, seq = n * TOKENS_PER_DEVICE // TRAIN_SEQ, TRAIN_SEQ
+        # 1024 tokens a chip where the layout splits that batch, else the fewest it takes
+        batch, seq = fewest_sequences(preset, n * TOKENS_PER_DEVICE // TRAIN_SEQ), TRAIN_SEQ
         extra = ["--optimizer", choice]
     else:
         batch, seq = n, INFER_SEQ
@@ -79,6 +80,11 @@ def plan_row(preset: str, mode: str, choice: str) -> dict:
 
 def _g(b) -> str:
     return f"{b / GIB:.1f}"
+
+
+def _layout(preset: str, p: dict) -> str:
+    """The preset, and the layout it runs as where train picks another (train_preset, context_preset)."""
+    return preset if p["mesh"] == preset else f"{preset} (runs as {p['mesh']})"
 
 
 def _fits(p: dict) -> str:
@@ -95,7 +101,7 @@ def plan_table(rows) -> str:
         b = p["bytes_per_device"]
         train = mode == "train"
         lines.append(
-            f"| {preset} | {mode} | {p['batch']}×{p['seq']} | {choice} | {_g(b['params'])} | "
+            f"| {_layout(preset, p)} | {mode} | {p['batch']}×{p['seq']} | {choice} | {_g(b['params'])} | "
             f"{_g(b['grads']) if train else '—'} | {_g(b['optimizer']) if train else 'caches ' + _g(b['caches'])} | "
             f"{_g(b['activations'])} ({_g(p['detail']['activations']['moe_buffer'])}) | "
             f"{_g(b['total'])} / {p['hbm_bytes'] / GIB:.0f} | {_fits(p)} |")
@@ -171,25 +177,36 @@ def param_table() -> str:
 
 # README "LoRA on the MXFP4 release": (mesh, label, extra planner flags)
 LORA_ROWS = [
-    ("b300x8", "b300x8 (train layout b300x8_train)", "8 × B300", ()),
+    ("b300x8", "b300x8", "8 × B300", ()),
     ("h200x16_train", "h200x16_train", "16 × H200", ("--lora-expert-rank", "4")),
     ("h200x16_train", "h200x16_train", "16 × H200", ("--lora-expert-mode", "shared_a")),
     ("h200x16_train", "h200x16_train", "16 × H200", ()),
     ("v5p-512", "v5p-512", "256", ()),
     ("v5p-1024", "v5p-1024", "512", ()),
 ]
-LORA_FLAGS = ("--mode", "train", "--expert-format", "mxfp4", "--lora-rank", "16", "--batch", "8", "--seq", "4096",
+LORA_FLAGS = ("--mode", "train", "--expert-format", "mxfp4", "--lora-rank", "16", "--seq", "4096",
               "--ep-buffer-mib", "256")
+LORA_BATCH = 8
+
+
+def fewest_sequences(preset: str, batch: int) -> int:
+    """`batch` rounded up to what the preset's train layout splits (whole sequences per batch
+    shard; a context preset, where the preset names one, puts a sequence over several chips)."""
+    from k3jax.mesh import batch_shards, preset_for
+    n = _devices(preset)
+    shards = batch_shards(preset_for(preset, "train", batch, n), n)
+    return -(-batch // shards) * shards
 
 
 def lora_table() -> str:
-    lines = ["| mesh | devices | extra flags | params | grads | optimizer | activations | total | HBM | fits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mesh | devices | batch × seq | extra flags | params | grads | optimizer | activations | total | HBM | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mesh, label, devices, extra in LORA_ROWS:
-        p = _json("plan", "configs/k3.yaml", "--mesh", mesh, *LORA_FLAGS, *extra)
+        batch = fewest_sequences(mesh, LORA_BATCH)
+        p = _json("plan", "configs/k3.yaml", "--mesh", mesh, *LORA_FLAGS, "--batch", str(batch), *extra)
         b = p["bytes_per_device"]
         flags = f"`{' '.join(extra)}`" if extra else ""
-        lines.append(f"| {label} | {devices} | {flags} | {_g(b['params'])} | {_g(b['grads'])} | {_g(b['optimizer'])} | "
+        lines.append(f"| {_layout(label, p)} | {devices} | {p['batch']}×{p['seq']} | {flags} | {_g(b['params'])} | {_g(b['grads'])} | {_g(b['optimizer'])} | "
                      f"{_g(b['activations'])} | {_g(b['total'])} GiB | {p['hbm_bytes'] / GIB:.0f} | {_fits(p)} |")
     return "\n".join(lines)
 

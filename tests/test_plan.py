@@ -138,6 +138,30 @@ def test_too_few_sequences_for_the_batch_shards_take_the_context_preset(capsys):
     assert run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "512")["mesh"] == "v5p-1024"
 
 
+def test_every_context_preset_keeps_the_devices_and_the_weight_sharding():
+    """A context preset runs a batch its parent cannot split: the same devices, the batch split
+    fewer ways by exactly its context axis, and every weight axis sharded as many ways (ZeRO
+    over context as over fsdp), so the planned state per device is the parent's."""
+    import pathlib
+
+    from k3jax.mesh import LOGICAL_AXES, MESH_DIR, batch_shards, logical_shards, preset_for
+    parents = [load_preset(p.stem) for p in sorted(pathlib.Path(MESH_DIR).glob("*.yaml"))]
+    parents = [p for p in parents if p.context_preset]
+    assert {p.name for p in parents} >= {"v5p-1024", "v5p-1024x2", "h200x16_train"}
+    for parent in parents:
+        cp = load_preset(parent.context_preset)
+        n = math.prod(parent.shape().values())
+        sizes, cp_sizes = parent.shape(n), cp.shape(n)
+        assert math.prod(cp_sizes.values()) == n, cp.name
+        assert cp_sizes["context"] > 1 and batch_shards(cp, n) * cp_sizes["context"] == batch_shards(parent, n)
+        weight_axes = [a for a in LOGICAL_AXES if a not in ("batch", "length")]
+        for axis in weight_axes:
+            assert logical_shards(cp.rules, cp_sizes, (axis,)) == logical_shards(parent.rules, sizes, (axis,)), \
+                (parent.name, axis)
+        few = batch_shards(cp, n)
+        assert preset_for(parent.name, "train", few, n).name == cp.name
+
+
 def test_zero3_gathers_one_layer_and_the_lm_head():
     """ZeRO-3 gathers a layer's weights over their sharded input side (the routed experts
     stay split over expert, heads and hidden over tensor) and the lm_head over embed;
