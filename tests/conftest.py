@@ -8,6 +8,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+from helpers import FAST_COMPILE  # noqa: E402  (no JAX import there)
+
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA cache for the whole session, fresh each time: the xdist workers and the
 # CLI subprocesses the tests start (they inherit the environment) compile each identical

@@ -25,7 +25,8 @@ from k3jax.config import CONFIG_DIR
 from k3jax.train.preemption import PREEMPTED
 from k3jax.train.variants import write_variant
 
-from test_distributed import FAST_COMPILE, TOL, free_port, metrics
+from helpers import FAST_COMPILE
+from test_distributed import TOL, free_port, metrics
 
 REPO = os.path.dirname(CONFIG_DIR)
 STEPS = 12

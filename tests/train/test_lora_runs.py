@@ -19,7 +19,7 @@ from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.model import forward
 from k3jax.train.variants import write_variant
 
-from helpers import FIXTURES, assert_logits_match, need, rel_l2
+from helpers import FAST_COMPILE, FIXTURES, assert_logits_match, need, rel_l2
 from reference import peft_merged_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ def _train(cfg, out, name, env, *extra):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_runs")
-    return d, dict(os.environ, K3JAX_COMPILE_CACHE=str(d / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return d, dict(os.environ, K3JAX_COMPILE_CACHE=str(d / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
 
 
 @pytest.mark.slow

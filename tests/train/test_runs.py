@@ -18,6 +18,8 @@ import pytest
 from k3jax import cli
 from k3jax.train.variants import write_variant
 
+from helpers import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = {"steps": 4, "log_every": 2, "ckpt_every": 2, "keep": 10, "sample_tokens": 0, "peak_tflops": 1.0,
          "data": {"path": os.path.join(ROOT, "data", "corpus.txt"), "seq_len": 32, "batch_size": 2},
@@ -26,7 +28,7 @@ TRAIN = {"steps": 4, "log_every": 2, "ckpt_every": 2, "keep": 10, "sample_tokens
 
 def train(cfg, *overrides, cache, timeout=600):
     """`k3jax train` in a subprocess; one XLA cache per test session, so one compile."""
-    env = dict(os.environ, K3JAX_COMPILE_CACHE=str(cache), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, K3JAX_COMPILE_CACHE=str(cache), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     return subprocess.run([sys.executable, "-m", "k3jax.cli", "train", cfg, *overrides], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -13,6 +13,8 @@ import pytest
 from k3jax.train.preemption import PREEMPTED
 from k3jax.train.variants import write_variant
 
+from helpers import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = {"steps": 6, "log_every": 1, "ckpt_every": 2, "keep": 10, "sample_tokens": 0, "peak_tflops": 1.0,
          "data": {"path": os.path.join(ROOT, "data", "corpus.txt"), "seq_len": 32, "batch_size": 2},
@@ -23,7 +25,7 @@ TRAIN = {"steps": 6, "log_every": 1, "ckpt_every": 2, "keep": 10, "sample_tokens
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("train")
     cfg = write_variant(str(d / "tiny.yaml"), layers=("kda", "mla"), train=TRAIN)
-    env = dict(os.environ, K3JAX_COMPILE_CACHE=str(d / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, K3JAX_COMPILE_CACHE=str(d / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     return d, cfg, env
 
 
