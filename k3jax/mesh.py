@@ -19,6 +19,7 @@ Typical use (what `k3jax train/logits/generate --mesh` call):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import CONFIG_DIR, ConfigError, parse_yaml
+from k3jax.config import CONFIG_DIR, ConfigError, RuntimeOptions, parse_yaml
 
 AXES = ("data", "fsdp", "expert", "tensor", "context")
 MESH_DIR = os.path.join(CONFIG_DIR, "meshes")
@@ -55,6 +56,8 @@ class MeshPreset:
     train_preset: str | None = None   # the preset training on these devices uses instead
     context_preset: str | None = None  # same devices, each sequence split over a context axis:
                                        # what training uses when a batch has too few sequences
+    runtime: dict = field(default_factory=dict)   # RuntimeOptions the preset was planned with:
+                                       # defaults for plan, compile and train where not given
 
     @property
     def num_slices(self) -> int:
@@ -140,16 +143,21 @@ def load_preset(preset_or_path) -> MeshPreset:
         d = parse_yaml(f.read(), p) or {}
     name = os.path.splitext(os.path.basename(p))[0]
     unknown = sorted(set(d) - {"ici", "dcn", "rules", "rules_override", "device", "hbm_gib", "description",
-                               "train_preset", "context_preset"})
+                               "train_preset", "context_preset", "runtime"})
     if unknown:
         raise ConfigError(f"mesh {name}: unknown keys {unknown}")
+    runtime = d.get("runtime") or {}
+    known = {f.name for f in dataclasses.fields(RuntimeOptions)} - {"lora"}
+    if not isinstance(runtime, dict) or set(runtime) - known:
+        bad = sorted(set(runtime) - known) if isinstance(runtime, dict) else runtime
+        raise ConfigError(f"mesh {name}: runtime names no RuntimeOptions field {bad} (fields: {sorted(known)})")
     for key in ("ici", "dcn"):
         bad = sorted(set(d.get(key) or {}) - set(AXES))
         if bad:
             raise ConfigError(f"mesh {name}: {key} names unknown mesh axes {bad} (axes: {AXES})")
     return MeshPreset(name, dict(d.get("ici") or {}), dict(d.get("dcn") or {}),
                       _preset_rules(name, d), d.get("device", ""), d.get("hbm_gib"),
-                      d.get("train_preset"), d.get("context_preset"))
+                      d.get("train_preset"), d.get("context_preset"), dict(runtime))
 
 
 def preset_for(preset_or_path, mode: str, batch: int | None = None, n_devices: int | None = None):
@@ -265,3 +273,9 @@ def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input under `rules`."""
     axes = ("batch", "length") + (None,) * (ndim - 2)
     return NamedSharding(mesh, nn.logical_to_mesh_axes(axes, rules))
+
+
+def preset_runtime(preset: MeshPreset, given) -> dict:
+    """The preset's runtime settings for the keys in no `given` (the user's flags, config
+    section and overrides win): what plan, compile and train each add, and print."""
+    return {k: v for k, v in preset.runtime.items() if k not in given}

@@ -7,6 +7,7 @@ policy; caches are exact. Nothing is allocated, so this runs for full K3 on a la
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -331,3 +332,46 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
         "detail": {"state": state, "activations": act, "caches": caches},
         "hbm_bytes": hbm, "fits": bool(hbm is not None and total <= hbm),
     }
+
+
+def fit_suggestions(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> list[str]:
+    """For a plan that does not fit: each single setting that would make it fit, as the plan
+    flag and the train key that give it (the largest exchange buffer that fits, the cheapest
+    change first). Empty when none does: the mesh is too small for this run."""
+    tries = []
+    for mib in (512, 256, 128, 64):
+        if mib < cfg.runtime.ep_buffer_mib:
+            tries.append((f"--ep-buffer-mib {mib} (train: runtime.ep_buffer_mib={mib})",
+                          cfg.with_runtime(ep_buffer_mib=float(mib)), opt))
+    if opt.mode == "train":
+        if opt.remat != "full":
+            tries.append(("--remat full (train: runtime.remat=full)", cfg, dataclasses.replace(opt, remat="full")))
+        if opt.optimizer == "adamw" and not opt.lora_rank:
+            tries.append(("--optimizer muon (one fp32 state per matrix instead of two)", cfg,
+                          dataclasses.replace(opt, optimizer="muon")))
+        if opt.lora_rank:
+            rank = opt.lora_expert_rank or opt.lora_rank
+            for r in (8, 4):
+                if r < rank:
+                    tries.append((f"--lora-expert-rank {r} (train: lora.expert_rank={r})", cfg,
+                                  dataclasses.replace(opt, lora_expert_rank=r)))
+    found, kinds = [], set()
+    for flag, c, o in tries:
+        kind = flag.split()[0]
+        if kind not in kinds and plan(c, preset, o, total_params)["fits"]:
+            found.append(flag)
+            kinds.add(kind)
+    if found or not tries:
+        return found
+    # no one setting does: every kind's last (smallest) try together, if that fits
+    last = {flag.split()[0]: (flag, c, o) for flag, c, o in tries}
+    c, o = cfg, opt
+    def changed(new, old):
+        return {f.name: getattr(new, f.name) for f in dataclasses.fields(new)
+                if getattr(new, f.name) != getattr(old, f.name)}
+    for flag, ci, oi in last.values():
+        c = c.with_runtime(**changed(ci.runtime, cfg.runtime))
+        o = dataclasses.replace(o, **changed(oi, opt))
+    if plan(c, preset, o, total_params)["fits"]:
+        return [" with ".join(flag for flag, _, _ in last.values())]
+    return []

@@ -11,9 +11,9 @@ generated-code speed for compile time (the same for all three, so the comparison
 the model is the toy cut to one KDA and one MLA layer, both MoE (what crosses processes is
 the same: 'ep' all-to-alls and ZeRO-3 gathers; the compile is 5x shorter than the toy's 13).
 """
-import pytest
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -21,9 +21,14 @@ import sys
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
+import yaml
 
 from k3jax.config import CONFIG_DIR
+from k3jax.mesh import MESH_DIR
 from k3jax.train.variants import write_variant
+
+from helpers import FAST_COMPILE
 
 REPO = os.path.dirname(CONFIG_DIR)
 PRESET = "expert8"   # the expert axis spans both processes: "ep" all-to-alls and ZeRO-3 gathers cross them
@@ -31,7 +36,6 @@ PRESET = "expert8"   # the expert axis spans both processes: "ep" all-to-alls an
 # 5x less: the step compiles in half the time)
 OVERRIDES = ["steps=2", "log_every=1", "ckpt_every=2", "data.seq_len=16", "sample_tokens=0",
              "peak_tflops=1", "runtime.kda_impl=recurrent", "optimizer.ns_steps=1"]
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TOL = 1e-5
 
 
@@ -56,11 +60,19 @@ def restore_params(run_dir, step: int):
         return jax.tree.map(np.asarray, ckpt.restore(path, target)["params"])
 
 
+def preset_with_runtime(tmp_path) -> str:
+    """expert8 carrying a runtime setting, as b300x8_train carries its exchange buffer:
+    every process's run takes it (and writes it into the run's config.yaml)."""
+    path = tmp_path / "expert8_buffered.yaml"
+    path.write_text((pathlib.Path(MESH_DIR) / f"{PRESET}.yaml").read_text() + "runtime: {ep_buffer_mib: 64}\n")
+    return str(path)
+
+
 def launch(tmp_path, cfg: str, name: str, local_devices: int, extra_env: dict, distributed: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices} "
                + FAST_COMPILE, **extra_env)
-    cmd = [sys.executable, "-m", "k3jax.cli", "train", cfg, "--mesh", PRESET,
+    cmd = [sys.executable, "-m", "k3jax.cli", "train", cfg, "--mesh", preset_with_runtime(tmp_path),
            "--distributed", distributed, "--no-compile-cache", *OVERRIDES,
            f"output_dir={tmp_path}", f"run_name={name.split('.')[0]}"]
     log = open(tmp_path / f"{name}.log", "w")
@@ -86,6 +98,9 @@ def test_two_processes_train_like_one(tmp_path):
     out = "\n".join(f"--- {n}\n{text[-3000:]}" for n, text in logs.items())
     assert rcs == [0, 0, 0], out
     assert "over 2 process(es)" in logs["two.0"] and "over 1 process(es)" in logs["one"], out
+    assert all("runtime from mesh expert8_buffered: ep_buffer_mib=64" in logs[n] for n in ("two.0", "one")), out
+    for run in ("one", "two"):
+        assert yaml.safe_load((tmp_path / run / "config.yaml").read_text())["train"]["runtime"]["ep_buffer_mib"] == 64
     # the step's state shardings are pinned: one compile serves both steps
     assert logs["one"].count("Compiling jit(sharded_train_step)") == 1, out
 

@@ -1,6 +1,7 @@
 """`k3jax plan`: full K3 from abstract shapes only (nothing of that size is allocated)."""
 import json
 import math
+import re
 
 import pytest
 
@@ -233,3 +234,40 @@ def test_bad_numbers_are_one_line_errors(flags, said, capsys):
     assert main(["plan", "k3", *mesh, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said in err, err
+
+
+LORA_B300 = ("configs/k3.yaml", "--mesh", "b300x8", "--mode", "train", "--expert-format", "mxfp4",
+             "--lora-rank", "16", "--batch", "8", "--seq", "4096")
+
+
+def test_a_preset_carries_the_runtime_it_was_planned_with(capsys):
+    """b300x8_train was planned with 256 MiB exchanges: the short command fits with it, says
+    so, and a flag still wins (the same rule train and compile follow)."""
+    short = run_json(capsys, *LORA_B300)
+    assert short["mesh"] == "b300x8_train" and short["runtime_from_preset"] == {"ep_buffer_mib": 256}
+    assert short["ep_buffer_mib"] == 256 and short["fits"]
+    explicit = run_json(capsys, *LORA_B300, "--ep-buffer-mib", "256")
+    assert explicit["runtime_from_preset"] == {} and explicit["bytes_per_device"] == short["bytes_per_device"]
+    wide = run_json(capsys, *LORA_B300, "--ep-buffer-mib", "1024")
+    assert wide["ep_buffer_mib"] == 1024 and not wide["fits"]
+
+
+@pytest.mark.parametrize("argv", [
+    LORA_B300 + ("--ep-buffer-mib", "1024"),
+    ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "128", "--optimizer", "adamw"),
+    ("configs/k3.yaml", "--mesh", "h200x16_train", "--mode", "train", "--expert-format", "mxfp4",
+     "--lora-rank", "16", "--batch", "8", "--seq", "4096"),
+    ("configs/k3.yaml", "--mesh", "v5p-512", "--batch", "256", "--optimizer", "adamw"),
+])
+def test_a_plan_that_does_not_fit_names_what_would(capsys, argv):
+    """Every setting the planner suggests fits when given; where it suggests none, even all of
+    its levers together do not."""
+    out = run_json(capsys, *argv)
+    assert not out["fits"]
+    for hint in out["would_fit_with"]:
+        flags = [t for pair in re.findall(r"(--[a-z-]+) ([^\s(;]+)", hint) for t in pair]
+        assert flags, hint
+        assert run_json(capsys, *argv, *flags)["fits"], hint
+    if not out["would_fit_with"]:
+        everything = ("--ep-buffer-mib", "64", "--optimizer", "muon", "--remat", "full")
+        assert not run_json(capsys, *argv, *everything)["fits"]

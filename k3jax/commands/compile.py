@@ -108,6 +108,8 @@ def run(args) -> int:
     from k3jax.config import load_k3
     from k3jax.param_count import count_params
     from k3jax.plan import PlanOptions, plan
+    from k3jax.commands.plan import runtime_values
+    from k3jax.mesh import preset_runtime
     from k3jax.sharding import load_preset, preset_for
     from k3jax.train.config import parse_overrides, resolve
 
@@ -130,12 +132,18 @@ def run(args) -> int:
     resolve(k3.train, overrides)   # train's own schema: an unknown key or a bad value is one line
     if args.ep_buffer_mib is not None:
         overrides.setdefault("runtime", {})["ep_buffer_mib"] = args.ep_buffer_mib
-        k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=args.ep_buffer_mib))
+    # the preset's runtime settings where neither a flag nor an override gives one, as train
+    from_preset = preset_runtime(preset, {**(k3.train or {}).get("runtime", {}), **overrides.get("runtime", {})})
+    if from_preset:
+        overrides.setdefault("runtime", {}).update(runtime_values(from_preset))
+        log(f"runtime from mesh {preset.name}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items()))
+    if "ep_buffer_mib" in overrides.get("runtime", {}):
+        k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=overrides["runtime"]["ep_buffer_mib"]))
     # before the compile: the planner's checks (the batch's placement on the mesh) fail fast
     pl = plan(k3.text, preset, opt, count_params(k3.text, k3.layout)["total"])
     log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)")
     out = {"config": args.config, "mesh": preset.name, "topology": args.topology, "devices": len(devices),
-           "mode": args.mode, "chip": chip.name}
+           "mode": args.mode, "chip": chip.name, "runtime_from_preset": from_preset}
     hbm = report.hbm_limit(preset, opt, chip)
     try:
         res = report.compile_figures(k3, args.mesh, devices, opt, args.mode, overrides, args.depths, log)

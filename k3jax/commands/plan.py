@@ -58,7 +58,8 @@ def _gib(n) -> str:
 
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
-    from k3jax.plan import PlanOptions, plan
+    from k3jax.mesh import preset_for, preset_runtime
+    from k3jax.plan import PlanOptions, fit_suggestions, plan
     from k3jax.sharding import load_preset
 
     k3 = load_any_config(args.config)
@@ -70,8 +71,13 @@ def run(args) -> int:
                       lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
                       lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
-    text = k3.text if args.ep_buffer_mib is None else k3.text.with_runtime(ep_buffer_mib=args.ep_buffer_mib)
+    given = {"ep_buffer_mib": args.ep_buffer_mib} if args.ep_buffer_mib is not None else {}
+    from_preset = preset_runtime(preset_for(args.mesh, args.mode, args.batch, args.devices), given)
+    text = k3.text.with_runtime(**runtime_values(from_preset), **given)
     out = plan(text, preset, opt, _total_params(args.config))
+    out["runtime_from_preset"] = from_preset
+    out["would_fit_with"] = ([] if out["fits"] or out["hbm_bytes"] is None
+                             else fit_suggestions(text, preset, opt, _total_params(args.config)))
     if args.json:
         print(json.dumps(out))
         return 0
@@ -85,8 +91,23 @@ def run(args) -> int:
         print(f"  {k:<12}{_gib(v)}")
     for group, d in out["detail"].items():
         print(f"  {group}: " + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in d.items()) + " GiB")
+    if from_preset:
+        print(f"runtime from mesh {out['mesh']}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items())
+              + " (the preset's settings; a flag or runtime.KEY= in train changes them)")
     if out["hbm_bytes"] is None:
         print("fits: unknown (give --hbm-gib)")
-    else:
-        print(f"fits: {'yes' if out['fits'] else 'NO'} (HBM {_gib(out['hbm_bytes']).strip()} per device)")
+        return 0
+    print(f"fits: {'yes' if out['fits'] else 'NO'} (HBM {_gib(out['hbm_bytes']).strip()} per device)")
+    if not out["fits"]:
+        print("  would fit with: " + ("; or ".join(out["would_fit_with"]) if out["would_fit_with"] else
+                                      "nothing the planner varies (exchange buffer, remat, optimizer, expert "
+                                      "LoRA rank); more devices (a larger mesh) or fewer tokens a step"))
     return 0
+
+
+def runtime_values(settings: dict) -> dict:
+    """A preset's runtime settings checked by train's own schema (a typo in a preset is one
+    line naming the key), as RuntimeOptions takes them."""
+    from k3jax.train.config import resolve
+    checked = resolve({"runtime": settings})["runtime"]
+    return {k: checked[k] for k in settings}

@@ -263,10 +263,19 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    batch = tconf.resolve(load_k3(config_path).train, tconf.parse_overrides(overrides or []))["data"]["batch_size"]
+    from k3jax.mesh import preset_runtime
+    section = load_k3(config_path).train
+    given = tconf.parse_overrides(overrides or [])
+    batch = tconf.resolve(section, given)["data"]["batch_size"]
     preset = sharding.preset_for(mesh, "train", batch, jax.device_count())
     if preset.name != sharding.load_preset(mesh).name:
         log(f"mesh {mesh}: training on {preset.name} ({batch} sequences per step)")
+    # the preset's runtime settings where the config and the overrides give none (as plan
+    # and compile take them); they go into the run's config.yaml like any override
+    from_preset = preset_runtime(preset, {**((section or {}).get("runtime") or {}), **given.get("runtime", {})})
+    if from_preset:
+        overrides = list(overrides or []) + [f"runtime.{k}={v}" for k, v in from_preset.items()]
+        log(f"runtime from mesh {preset.name}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items()))
     m, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
