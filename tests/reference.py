@@ -307,6 +307,23 @@ def peft_merged_reference(base_dir, peft_tensors):
     return out
 
 
+def peft_merge_magnitude(base_dir, peft_tensors):
+    """{module: |W| + |B|·|A|} for the adapted modules of a PEFT file: what the rounding of a
+    floating-point merge W + B·A scales with (the products' and the sum's), cancellation included."""
+    ckpt = ShardedCheckpoint(base_dir)
+    ab = {}
+    for name, t in peft_tensors.items():
+        if ".lora_" in name:
+            mod, which = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)
+            ab.setdefault(mod, {})[which[0]] = np.abs(t.astype(np.float64))
+    out = {}
+    for mod, x in ab.items():
+        if f"{mod}.weight" in ckpt.keys():
+            out[mod] = np.abs(ckpt.get(f"{mod}.weight").astype(np.float64)) + x["B"] @ x["A"]
+    ckpt.close()
+    return out
+
+
 def lora_merged_params(cfg, params):
     """An independent NumPy merge: every adapted kernel / expert stack replaced by
     W + (alpha/r)·A·B (experts: per expert; shared_a: the one A), in float64."""

@@ -20,7 +20,7 @@ from k3jax.model import forward
 from k3jax.train.variants import write_variant
 
 from helpers import FAST_COMPILE, FIXTURES, assert_logits_match, need, rel_l2
-from reference import peft_merged_reference
+from reference import peft_merge_magnitude, peft_merged_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
@@ -158,6 +158,7 @@ def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixtur
     rel_err = float(report.split("RMS error ")[1].split()[0])
     _, tensors = _peft(fixture_b_adapter)
     merged = peft_merged_reference(base, tensors)
+    magnitude = peft_merge_magnitude(base, tensors)
     ckpt = ShardedCheckpoint(merged_dir)
     stored, err2, val2 = {}, 0.0, 0.0
     for mod, w in merged.items():
@@ -172,10 +173,14 @@ def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixtur
             stored[mod] = w
         else:                       # bf16, within one rounding of the exact merge
             got = ckpt.get(f"{mod}.weight").astype(np.float64)
-            # half a bf16 step at |w|, plus the fp32 rounding of the export's own merge: where
-            # w sits on a rounding midpoint that alone may send it to the other neighbour
-            half_step = np.exp2(np.floor(np.log2(np.maximum(np.abs(w), 1e-30))) - 8)
-            excess = np.abs(got - w) - (half_step + 2 ** -20 * np.abs(w))
+            # half a bf16 step, plus the fp32 rounding of the export's own merge: r products,
+            # r - 1 sums and the add to W, each within 2^-24 of |W| + |B|·|A| (where B·A
+            # cancels that is far above |w|; near a rounding midpoint it alone may send w to
+            # the other neighbour, and across a binade boundary to a wider step)
+            r = tensors[f"{PEFT_PREFIX}{mod}.lora_A.weight"].shape[0]
+            fp32 = (r + 2) * 2.0 ** -24 * magnitude[mod]
+            half_step = np.exp2(np.floor(np.log2(np.maximum(np.abs(w) + fp32, 1e-30))) - 8)
+            excess = np.abs(got - w) - (half_step + fp32)
             assert np.all(excess <= 0), (mod, np.abs(got - w).flat[np.argmax(excess)])
             assert np.mean(got == _bf16(w)) > 0.99, mod
             stored[mod] = got
