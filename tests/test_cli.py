@@ -175,7 +175,7 @@ def test_disk_errors_while_writing_name_the_output(tmp_path, capsys, monkeypatch
     were writing; any other error keeps its traceback."""
     import errno
 
-    from k3jax.commands import writing
+    from k3jax.commands import atomic_write, writing
     tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing local file "/x/.o.tmp/params/a/0.0.0": Failed '
                              "to write 16384 bytes to file 5: No space left on device [os_error_code='28']")
     for raised, code in ((OSError(errno.ENOSPC, "No space left on device"), errno.ENOSPC), (tensorstore, errno.ENOSPC),
@@ -186,6 +186,15 @@ def test_disk_errors_while_writing_name_the_output(tmp_path, capsys, monkeypatch
         assert (e.value.errno, e.value.filename) == (code, str(tmp_path / "out"))
     with pytest.raises(ValueError, match="a bug"), writing(tmp_path / "out"):
         raise ValueError("a bug")
+    # logits and vision-features write through atomic_write: the output named, no temporary left
+    def full(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError) as e:
+        atomic_write(str(tmp_path / "logits.npy"), full)
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "logits.npy"))
+    assert cli.one_line(e.value) == f"{tmp_path / 'logits.npy'}: No space left on device"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".logits")]
     from k3jax.checkpoint import convert as conv
     monkeypatch.setattr(conv, "convert", lambda *a, **k: (_ for _ in ()).throw(tensorstore))
     assert cli.main(["convert", str(tmp_path), str(tmp_path / "orbax")]) == 2

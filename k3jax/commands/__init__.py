@@ -51,7 +51,7 @@ def atomic_write(path: str, write) -> str:
     an interrupted or failed write never leaves a half-written result."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with writing(path), open(tmp, "wb") as f:   # a full disk names `path`, not the temporary
             write(f)
         os.replace(tmp, path)
     finally:
