@@ -116,10 +116,24 @@ class LoraSpec:
         return self.alpha / self.rank_of(target)
 
 
+EXPERT_ROLES = ("w1", "w2", "w3")   # the routed experts' stacked weights, under block_sparse_moe
+
+
+def expert_role(path) -> str | None:
+    """Which routed-expert weight (w1 | w2 | w3) a param path lies in, None for any other
+    param: the one place "is this a routed expert?" is answered. `path`: 'a/b/c' or a key
+    path (jax's tree path or strings); the leaf may be the stack, its MXFP4 parts or an
+    adapter of it ('.../block_sparse_moe/w1/weight_packed', '.../w2/lora_a')."""
+    keys = path.split("/") if isinstance(path, str) else [str(getattr(k, "key", k)) for k in path]
+    for a, b in zip(keys, keys[1:]):
+        if a == "block_sparse_moe" and b in EXPERT_ROLES:
+            return b
+    return None
+
+
 def is_expert_target(target: str) -> bool:
-    """A LoRA target (or param path) naming the stacked routed experts w1/w2/w3."""
-    parts = target.split("/")
-    return len(parts) >= 2 and parts[-2] == "block_sparse_moe" and parts[-1] in ("w1", "w2", "w3")
+    """A LoRA target naming a stacked routed-expert weight itself ('.../block_sparse_moe/w1')."""
+    return expert_role(target) is not None and target.split("/")[-1] in EXPERT_ROLES
 
 
 @dataclass(frozen=True)

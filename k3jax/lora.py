@@ -29,7 +29,7 @@ import re
 import jax
 from flax import linen as nn
 
-from k3jax.config import ConfigError, LoraSpec, ModelConfig
+from k3jax.config import ConfigError, LoraSpec, ModelConfig, expert_role
 from k3jax.layout import split_layer_prefix
 
 DEFAULT_TARGETS = (
@@ -61,7 +61,7 @@ def candidate_modules(abstract_params) -> list[str]:
             continue
         if keys[-1] == "kernel":
             out.add("/".join(keys[:-1]))
-        elif len(rest) >= 2 and rest[0] == "block_sparse_moe" and rest[1] in ("w1", "w2", "w3"):
+        elif expert_role(rest[:2]):
             out.add("/".join(prefix + tuple(rest[:2])))
     return sorted(out)
 

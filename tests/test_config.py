@@ -135,3 +135,30 @@ def test_extends_merges_partial_sections_and_refuses_duplicate_keys(tmp_path):
         dup.write_text(body)
         with pytest.raises(C.ConfigError, match=rf"dup.yaml:{line}:\d+: .*given twice"):
             C.load_k3(dup)
+
+
+def test_expert_role_names_the_routed_expert_weight_of_any_param_path():
+    """One answer to "is this a routed expert?" for stacks, their MXFP4 parts and adapters,
+    as strings or jax key paths; shared experts, the router and the latent projections are not."""
+    import jax
+    from flax import linen as nn
+
+    from k3jax.config import expert_role, load
+    from k3jax.model import abstract_params
+    for path, role in (("groups/sub_0/block_sparse_moe/w1", "w1"),
+                       ("groups/sub_1/block_sparse_moe/w2/weight_packed", "w2"),
+                       ("groups/sub_1/block_sparse_moe/w2/weight_scale", "w2"),
+                       ("lora/groups/sub_0/block_sparse_moe/w3/lora_a", "w3"),
+                       ("groups/sub_0/block_sparse_moe/shared_experts/up_proj/kernel", None),
+                       ("groups/sub_0/block_sparse_moe/gate", None),
+                       ("groups/sub_0/block_sparse_moe/routed_expert_up_proj/kernel", None),
+                       ("layers_0/mlp/w1", None), ("w1", None)):
+        assert expert_role(path) == role, path
+    cfg = load("toy")
+    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_params(cfg)))
+    found = {jax.tree_util.keystr(p): expert_role(p) for p, _ in leaves if expert_role(p)}
+    E = cfg.num_experts
+    # the routed stacks are the leaves with E experts of [latent, hidden] or [hidden, latent]
+    # (a layer axis first where layers are scanned)
+    stacks = {jax.tree_util.keystr(p) for p, x in leaves if x.ndim >= 3 and x.shape[x.ndim - 3] == E}
+    assert set(found) == stacks and sorted(set(found.values())) == ["w1", "w2", "w3"]

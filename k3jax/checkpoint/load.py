@@ -22,7 +22,7 @@ from pathlib import Path
 
 from k3jax.checkpoint.dirs import (FORMAT, MANIFEST, PARAMS_KEY, RUN_CHECKPOINTS, RUN_CONFIG, STATE_ITEM,
                                    checkpoint_steps, local_path)
-from k3jax.config import ConfigError, K3Config, RuntimeOptions, load_k3
+from k3jax.config import EXPERT_ROLES, ConfigError, K3Config, RuntimeOptions, load_k3
 from k3jax.errors import K3JaxError
 
 __all__ = ["ModelSource", "resolve", "load_model_dir", "is_orbax_dir", "is_model_dir", "load_config",
@@ -310,9 +310,9 @@ def convert_experts(params, expert_format: str, shardings=None):
             return node
         out = {}
         for k, v in node.items():
-            if k in ("w1", "w2", "w3") and expert_format == "bf16" and isinstance(v, dict):
+            if k in EXPERT_ROLES and expert_format == "bf16" and isinstance(v, dict):
                 out[k] = dequantize_experts(MXFP4(v["weight_packed"], v["weight_scale"]), dtype)
-            elif k in ("w1", "w2", "w3") and expert_format == "mxfp4" and not isinstance(v, dict):
+            elif k in EXPERT_ROLES and expert_format == "mxfp4" and not isinstance(v, dict):
                 packed, scale = quantize_mxfp4_jax(jnp.swapaxes(v, -1, -2))
                 out[k] = {"weight_packed": packed, "weight_scale": scale}
             else:

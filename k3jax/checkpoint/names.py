@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from k3jax.checkpoint.vision_names import PREFIXES as VISION_PREFIXES, vision_tensor_map
-from k3jax.config import ConfigError, ModelConfig, VisionConfig
+from k3jax.config import EXPERT_ROLES, ConfigError, ModelConfig, VisionConfig
 from k3jax import layout
 from k3jax.layout import layer_plan
 
@@ -123,7 +123,7 @@ def _layer_entries(cfg: ModelConfig, layer: int, pre: str, dense_mlp_name: str):
             for n in ("gate_proj", "up_proj", "down_proj"):
                 lin(f"{m}shared_experts.{n}", "block_sparse_moe", "shared_experts", n)
         for e in range(cfg.num_experts):
-            for w in ("w1", "w2", "w3"):
+            for w in EXPERT_ROLES:
                 out.append(TensorEntry(f"{hp}{m}experts.{e}.{w}", loc + ("block_sparse_moe", w), idx + (e,),
                                        "expertT", is_expert=True))
     return out

@@ -71,6 +71,7 @@ def _model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
     import jax
     from flax import linen as nn
 
+    from k3jax.config import expert_role
     from k3jax.model import abstract_variables
     from k3jax.train.loop import flops_per_token
     from k3jax.train.muon import param_groups
@@ -84,7 +85,7 @@ def _model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         keys = [str(getattr(p, "key", p)) for p in path]
         b = math.prod(x.shape) * x.dtype.itemsize
-        if "block_sparse_moe" in keys and any(q in ("w1", "w2", "w3") for q in keys[-3:]):
+        if expert_role(keys):
             expert += b
         elif keys[0] != "embed_tokens":
             dense += b

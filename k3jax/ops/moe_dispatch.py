@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from k3jax.config import ConfigError, ModelConfig
+from k3jax.config import EXPERT_ROLES, ConfigError, ModelConfig
 from k3jax.mesh import active_mesh_axes, entry_axes, fit_spec
 from k3jax.ops.experts import adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits, weight_spec
 from k3jax.ops.moe_gather import gather_local
@@ -37,7 +37,7 @@ from k3jax.ops.platform import target_backend
 HIGHEST = jax.lax.Precision.HIGHEST
 
 # The three routed-expert weights; w1/w3 map latent -> hidden, w2 hidden -> latent.
-ROLES = ("w1", "w2", "w3")
+ROLES = EXPERT_ROLES
 _HIDDEN_IS_OUT = {"w1": True, "w3": True, "w2": False}
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.config import EXPERT_ROLES
 from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
 
 _HI = jax.lax.Precision.HIGHEST
-_ROLES = ("w1", "w2", "w3")
+_ROLES = EXPERT_ROLES
 
 
 def _take(w, ids, dtype):

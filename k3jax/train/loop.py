@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, checkpoint_steps
-from k3jax.config import CONFIG_DIR, ConfigError, load_k3
+from k3jax.config import CONFIG_DIR, ConfigError, expert_role, load_k3
 from k3jax.distributed import barrier
 from k3jax.errors import RunDirError
 from k3jax.train import config as tconf, preemption, rundir
@@ -69,7 +69,7 @@ def flops_per_token(params, k_over_e: float, groups=None, top_k: int = 1) -> flo
         if keys[0] == "embed_tokens" or keys[-1] == "weight_scale":
             continue
         values = x.size * (2 if keys[-1] == "weight_packed" else 1)
-        expert = "block_sparse_moe" in keys and any(k in ("w1", "w2", "w3") for k in keys[-2:])
+        expert = expert_role(keys) is not None
         # a shared A ('shared_a') has no expert axis: each of a token's k pairs goes through it
         shared_a = expert and keys[-1] == "lora_a" and x.ndim == 2 + is_scanned(keys[1:])
         trained = groups is None or group_of.get(path_str(p)) in TRAINED

@@ -39,7 +39,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, MuonState, scale_by_muon
 from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, expert_role
 from k3jax.layout import attention_kind, is_scanned, stacked_axes
 
 MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
@@ -79,7 +79,7 @@ def classify(cfg: ModelConfig, path: str, shape: tuple[int, ...], freeze=(), dty
     stacked = stacked_axes(parts)
     if len(shape) - stacked < 2 or name in ("A_log", "dt_bias") or "norm" in name or name.endswith("_res"):
         return "adamw_nodecay"
-    if name in ("w1", "w2", "w3") and "block_sparse_moe" in parts:
+    if expert_role(parts) == name:
         return "muon_expert"
     kind = attention_kind(cfg, parts)
     if kind == "kda" and name in ("q_proj", "k_proj", "v_proj"):
