@@ -30,7 +30,9 @@ def register(sub):
     p.add_argument("--batch", type=int, default=None, help="global sequences (default: one per batch shard)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (the cache length in infer mode)")
     p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon",
+                   help="the matrices' optimizer state: muon (what k3jax train runs: one fp32 momentum) "
+                        "or adamw (fp32 m and v, for comparison); vectors take AdamW either way")
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
                    help="routed experts as bf16 or as the checkpoint's MXFP4")
