@@ -7,6 +7,7 @@ model, checkpoint names, caches, optimizer groups) asks here instead of spelling
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class LayerPlan:
         return len(self.group)
 
 
+@functools.lru_cache(maxsize=64)   # asked once per param path by Muon's groups and the planner
 def layer_plan(cfg: ModelConfig, max_period: int = 8) -> LayerPlan:
     """The longest run of ≥ 2 identical consecutive layer groups. Ties prefer groups that
     close on full attention (K3's [KDA, KDA, KDA, MLA]), then shorter periods."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, RuntimeOptions
 from k3jax.errors import InputError
 from k3jax.layers.attn_res import AttnRes, defer_block, flush_block, push_block
 from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
@@ -372,8 +372,16 @@ def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
     return tree
 
 
+# runtime options that shape how the model runs, never its params: one trace serves them all
+# (the planner varies the exchange buffer and remat when it looks for a setting that fits)
+_NOT_SHAPING = ("kda_impl", "kda_chunk_size", "ep_exchange", "ep_capacity_factor", "ep_buffer_mib",
+                "attention_q_block", "remat")
+
+
 def _abstract_variables(cfg: ModelConfig):
     # a fresh tree each call (callers may edit theirs) over one trace per config: ~5 s for K3
+    default = RuntimeOptions()
+    cfg = cfg.with_runtime(**{k: getattr(default, k) for k in _NOT_SHAPING})
     return jax.tree.map(lambda x: x, _traced_variables(cfg))
 
 
