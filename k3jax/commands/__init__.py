@@ -30,6 +30,21 @@ def number(kind=int, low=None, high=None, low_open=False):
     return parse
 
 
+_EXPERT_FORMAT_HELP = {
+    "held": "routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, dequantized tile by "
+            "tile inside the expert matmuls",
+    "planned": "routed experts as bf16 or as the checkpoint's MXFP4",
+    "stored": "routed experts widened (bf16) or kept packed as MXFP4 bytes in the Orbax checkpoint",
+}
+
+
+def add_expert_format(p, use: str) -> None:
+    """`--expert-format`, spelled once for every command that takes it; `use`: 'held' (a
+    forward runs with them), 'planned' (plan, compile) or 'stored' (convert)."""
+    from k3jax.config import EXPERT_FORMATS
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS, default="bf16", help=_EXPERT_FORMAT_HELP[use])
+
+
 def output_path(path: str, suffix: str | None = None) -> str:
     """The path a command will write (with `suffix` added as np.save would add it),
     checked before any long work: its folder exists and is writable, and it is not a

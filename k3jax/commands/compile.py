@@ -10,7 +10,7 @@ import json
 import sys
 
 from k3jax.commands.plan import add_trained_flags
-from k3jax.commands import number
+from k3jax.commands import add_expert_format, number
 
 
 def register(sub):
@@ -27,8 +27,7 @@ def register(sub):
     p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon")
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts as bf16 or as the checkpoint's MXFP4")
+    add_expert_format(p, "planned")
     p.add_argument("--ep-capacity", type=float, default=0.0, help="ep_capacity_factor (0: dropless)")
     p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
                    help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from k3jax.commands import writing
+from k3jax.commands import add_expert_format, writing
 
 
 def register(sub):
@@ -14,8 +14,7 @@ def register(sub):
     p.add_argument("--dry-run", action="store_true",
                    help="read only config.json and the index; list every missing / unexpected name")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts widened (bf16) or kept packed as MXFP4 bytes in the Orbax checkpoint")
+    add_expert_format(p, "stored")
     p.set_defaults(fn=run)
 
 

@@ -9,7 +9,7 @@ import contextlib
 import time
 
 from k3jax.config import KDA_IMPLS, MOE_DISPATCHES
-from k3jax.commands import number
+from k3jax.commands import add_expert_format, number
 
 
 def register(sub):
@@ -23,9 +23,7 @@ def register(sub):
     p.add_argument("--kda-impl", default="auto", choices=KDA_IMPLS)
     p.add_argument("--moe-dispatch", default="auto", choices=MOE_DISPATCHES,
                    help="default 'auto': 'ep' on a mesh whose expert axis is > 1, else 'ragged'")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
-                        "dequantized tile by tile inside the expert matmuls")
+    add_expert_format(p, "held")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are initialised "
                         "sharded over it and the batch is split by its rules")

@@ -27,7 +27,7 @@ import json
 import sys
 
 from k3jax.errors import InputError
-from k3jax.commands import number
+from k3jax.commands import add_expert_format, number
 
 
 def register(sub):
@@ -55,9 +55,7 @@ def register(sub):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="params and compute dtype (default: float32; a run's own training dtypes)")
     p.add_argument("--image", nargs="+", metavar="FILE", help="image files the prompt refers to, in order")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
-                        "dequantized tile by tile inside the expert matmuls")
+    add_expert_format(p, "held")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params are sharded over it, "
                         "with 'ep' expert dispatch where its expert axis is > 1")

@@ -6,6 +6,7 @@ image's feature rows (or already expanded); the logits are those of the expanded
 """
 from __future__ import annotations
 
+from k3jax.commands import add_expert_format
 from k3jax.config import KDA_IMPLS
 
 
@@ -20,9 +21,7 @@ def register(sub):
     p.add_argument("--pixels", help="instead of --image: float .npy [num_patches, 3, P, P], reference layout")
     p.add_argument("--grids", help="with --pixels: int .npy [num_images, 3] (t, h, w) in patches")
     p.add_argument("--kda-impl", default="auto", choices=KDA_IMPLS)
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts widened (bf16) or held as the checkpoint's MXFP4 bytes, "
-                        "dequantized tile by tile inside the expert matmuls")
+    add_expert_format(p, "held")
     p.add_argument("--mesh", default=None,
                    help="mesh preset (configs/meshes/*.yaml) or YAML path: params and tokens are sharded "
                         "over it, with 'ep' expert dispatch where its expert axis is > 1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import json
 
-from k3jax.commands import number
+from k3jax.commands import add_expert_format, number
 
 
 def add_trained_flags(p):
@@ -34,8 +34,7 @@ def register(sub):
                    help="the matrices' optimizer state: muon (what k3jax train runs: one fp32 momentum) "
                         "or adamw (fp32 m and v, for comparison); vectors take AdamW either way")
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--expert-format", choices=["bf16", "mxfp4"], default="bf16",
-                   help="routed experts as bf16 or as the checkpoint's MXFP4")
+    add_expert_format(p, "planned")
     p.add_argument("--devices", type=int, default=None, help="device count, for presets with a -1 axis")
     p.add_argument("--ep-capacity", type=float, default=0.0,
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
