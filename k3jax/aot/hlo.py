@@ -461,10 +461,23 @@ class Totals:
     collectives: dict = field(default_factory=dict)   # kind -> bytes sent per device per step
     loops: list = field(default_factory=list)         # (while name, trip count)
     unknown_loops: list = field(default_factory=list)
+    # top-level instruction -> (opcode, FLOPs with its fusion's, HBM bytes, collective bytes),
+    # every execution counted: what `costliest` ranks
+    instructions: dict = field(default_factory=dict)
 
     @property
     def collective_bytes(self) -> float:
         return sum(self.collectives.values())
+
+
+def _fused_flops(comps: dict, name: str) -> float:
+    """Matmul FLOPs of one call of a fused computation, nested fusions included."""
+    c = comps.get(name)
+    if c is None:
+        return 0.0
+    shapes = c.shapes()
+    return sum(dot_flops(i, shapes) + sum(_fused_flops(comps, n) for n in _attr_names(i.attrs, "calls"))
+               for i in c.instrs)
 
 
 def analyse(text: str) -> Totals:
@@ -489,10 +502,14 @@ def analyse(text: str) -> Totals:
             b = instr_bytes(i, shapes, hbm_only=False, comps=comps)
             t.bytes += m * b
             t.bytes_once += m1 * b
-            t.hbm_bytes += m * instr_bytes(i, shapes, comps=comps)
+            hbm = instr_bytes(i, shapes, comps=comps)
+            t.hbm_bytes += m * hbm
             col = collective_bytes(i, shapes)
             if col:
                 t.collectives[col[0]] = t.collectives.get(col[0], 0.0) + m * col[1]
+            fused = sum(_fused_flops(comps, n) for n in _attr_names(i.attrs, "calls")) if i.opcode == "fusion" else 0.0
+            if f or fused or hbm or col:
+                t.instructions[i.name] = (i.opcode, m * (f + fused), m * hbm, m * col[1] if col else 0.0)
     return t
 
 

@@ -72,6 +72,7 @@ def measure(prog: Program, log=print) -> tuple[dict, object]:
            "xla_flops": float(cost.get("flops", 0.0)), "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
            "flops": flops, "bytes_accessed": bytes_, "matmul_flops": totals.flops, "hbm_bytes": totals.hbm_bytes,
            "collectives": dict(totals.collectives), "loops_unread": len(totals.unknown_loops),
+           "instructions": dict(totals.instructions),
            "lower_s": t1 - t0, "compile_s": t2 - t1, "cpu_s": _cpu_s() - c0}
     log(f"  {prog.mode}: lowered in {fig['lower_s']:.0f} s, compiled in {fig['compile_s']:.0f} s "
         f"(CPU {fig['cpu_s']:.0f} s), peak RSS {peak_rss_gb():.1f} GiB")
@@ -132,8 +133,22 @@ def compile_figures(k3, preset: str, devices, opt, mode: str, overrides=None, de
         for k in ("lower_s", "compile_s", "cpu_s", "loops_unread"):
             est[k] = a[k] + b[k]            # what it took, not a prediction
         figs[name] = _unflat(est, {**f2[name], "collectives": {**f1[name]["collectives"], **f2[name]["collectives"]}})
+        figs[name]["instructions"] = f2[name]["instructions"]   # the deeper compile's, not extrapolated
     layers = [depth_mod.reduced(k3.text, n).num_hidden_layers for n in depths]
     return {"programs": figs, "layers_compiled": layers, "extrapolated": True}
+
+
+def costliest(instructions: dict, chip, n: int = 5) -> list[dict]:
+    """The `n` top-level HLO instructions with the largest estimated time (the step's model
+    per instruction: max(FLOPs / peak, HBM bytes / bandwidth) + collective bytes / ICI), and
+    their share of the sum: where the next bottleneck is."""
+    def seconds(v):
+        _, flops, hbm, col = v
+        return max(flops / chip.peak_flops, hbm / chip.hbm_bandwidth) + col / chip.ici_bandwidth
+    total = sum(seconds(v) for v in instructions.values()) or 1.0
+    top = sorted(instructions.items(), key=lambda kv: -seconds(kv[1]))[:n]
+    return [{"instruction": name, "opcode": v[0], "share": seconds(v) / total, "flops": v[1], "hbm_bytes": v[2],
+             "collective_bytes": v[3]} for name, v in top]
 
 
 def roofline(fig: dict, chip, model_flops: float, devices: int) -> dict:
@@ -144,7 +159,7 @@ def roofline(fig: dict, chip, model_flops: float, devices: int) -> dict:
     return {"compute_s": compute, "memory_s": memory, "collective_s": collective, "estimated_step_s": step,
             "overlapped_s": max(compute, memory, collective),
             "estimated_mfu": model_flops / (devices * chip.peak_flops * step) if step else 0.0,
-            "overlap": OVERLAP, "chip": chip.name}
+            "overlap": OVERLAP, "chip": chip.name, "costliest": costliest(fig.get("instructions", {}), chip)}
 
 
 def oom_bytes(message: str) -> int | None:

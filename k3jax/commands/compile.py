@@ -6,6 +6,7 @@ the step does not fit in HBM, 2 on bad input.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -13,8 +14,21 @@ from k3jax.commands.plan import add_trained_flags
 from k3jax.commands import add_expert_format, number
 
 
+ESTIMATE = """\
+estimate (per device; k3jax.aot.report):
+  compute    = matmul FLOPs (every loop iteration) / peak FLOP/s
+  memory     = HBM bytes (every loop iteration) / HBM bandwidth
+  collective = bytes each chip sends in collectives / its ICI bandwidth
+  estimated_step_s = max(compute, memory) + collective   (overlapped_s = max of the three)
+  estimated_mfu = model FLOPs per step / (devices x peak FLOP/s x estimated_step_s), model
+    FLOPs = 6 x activated params per trained token (a frozen base's weights 4 per value under
+    LoRA), 2 x activated params per token served
+  costliest: the five top-level HLO instructions with the largest share of that estimate"""
+
+
 def register(sub):
-    p = sub.add_parser("compile", help="compile the train / prefill / decode step for a TPU topology ahead of time")
+    p = sub.add_parser("compile", help="compile the train / prefill / decode step for a TPU topology ahead of time",
+                       epilog=ESTIMATE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset or config.json")
     p.add_argument("overrides", nargs="*", help="train: keys as for `k3jax train`, e.g. runtime.kda_impl=pallas")
     p.add_argument("--mesh", required=True, help="mesh preset in configs/meshes/ or a YAML path")
@@ -214,6 +228,7 @@ def _text(o: dict) -> str:
                  f"collectives {1e3 * o['collective_s']:.1f} ms -> step {1e3 * o['estimated_step_s']:.1f} ms "
                  f"(overlapped {1e3 * o['overlapped_s']:.1f} ms), MFU {100 * o['estimated_mfu']:.1f} %")
     lines.append(f"  ({o['overlap']})")
+    lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<16}{c['instruction']}" for c in o["costliest"]]
     if "decode" in o:
         d = o["decode"]
         lines.append(f"decode: HBM bytes per step over all devices {g(d['hbm_bytes_all_devices']).strip()} "

@@ -324,3 +324,26 @@ def test_topology_and_environment_errors_name_the_fix():
         r = subprocess.run([python, "-m", "k3jax.cli", "compile", "toy", "--mesh", "fsdp", "--topology", topology],
                            capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
+
+
+def test_costliest_instructions_hold_every_flop_once_and_rank_by_their_estimate():
+    """Every matmul FLOP lands on exactly one top-level instruction (a fusion carries its fused
+    dots, a loop body's instructions each iteration), and `costliest` ranks them by the step's
+    own per-instruction model, shares summing to at most 1."""
+    t = hlo.analyse(HANDWRITTEN)
+    assert sum(v[1] for v in t.instructions.values()) == t.flops
+    from k3jax.aot.chips import chip_for
+    chip = dataclasses.replace(chip_for("v5p"), hbm_bandwidth=1e30, ici_bandwidth=1e30)   # FLOPs alone decide
+    top = report.costliest(t.instructions, chip, n=2)
+    dot = 2 * 8 * 16 * 32
+    assert [c["flops"] for c in top] == [5 * dot, dot]      # the loop's matmul (5 runs), then the conv
+    assert top[0]["share"] == pytest.approx(5 / 6) and top[1]["share"] == pytest.approx(1 / 6)
+
+    # a CPU-compiled program: one large and one small product
+    def f(a, b, c, d):
+        return jnp.sum(a @ b) + jnp.sum(c @ d)
+    x = [jnp.ones(s, jnp.float32) for s in ((256, 256), (256, 256), (8, 8), (8, 8))]
+    t = hlo.analyse(jax.jit(f).lower(*x).compile().as_text())
+    assert sum(v[1] for v in t.instructions.values()) == t.flops == 2 * 256 ** 3 + 2 * 8 ** 3
+    first = report.costliest(t.instructions, chip)[0]
+    assert first["flops"] == 2 * 256 ** 3 and first["share"] > 0.99
