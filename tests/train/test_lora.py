@@ -73,7 +73,12 @@ def test_lora_starts_as_the_base_and_keeps_the_base_stream():
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(p))
     bs = [x for p, x in jax.tree_util.tree_leaves_with_path(adapted[M.LORA_KEY]) if "lora_b" in jax.tree_util.keystr(p)]
     assert bs and all(not np.any(np.asarray(b)) for b in bs)
-    np.testing.assert_array_equal(M.forward(cfgl, adapted, TOKENS), M.forward(cfg, base, TOKENS))
+    # op by op: each base-stream op runs the same kernel on the same inputs in both models and
+    # the adapters add exact zeros, so the outputs are bitwise equal. (Compiled whole, XLA may
+    # fuse a base matmul with its zero adapter term and tile it differently: an ulp apart.)
+    fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
+    with jax.disable_jit():
+        np.testing.assert_array_equal(fwd(cfgl, adapted), fwd(cfg, base))
 
 
 @pytest.mark.slow
@@ -87,10 +92,9 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weights():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
     fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
-    # jitted: one compile each instead of every primitive dispatched on its own
-    g_lora = jax.jit(jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad}))))(params[M.LORA_KEY])
+    g_lora = jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad})))(params[M.LORA_KEY])
     merged = lora_merged_params(cfg, params)
-    g_w = jax.jit(jax.grad(lambda p: loss(fwd(_cfg(), p))))(merged)
+    g_w = jax.grad(lambda p: loss(fwd(_cfg(), p)))(merged)
     checked = 0
     for path, ga in jax.tree_util.tree_leaves_with_path(g_lora):
         keys = [k.key for k in path]
