@@ -228,7 +228,7 @@ def _text(o: dict) -> str:
                  f"collectives {1e3 * o['collective_s']:.1f} ms -> step {1e3 * o['estimated_step_s']:.1f} ms "
                  f"(overlapped {1e3 * o['overlapped_s']:.1f} ms), MFU {100 * o['estimated_mfu']:.1f} %")
     lines.append(f"  ({o['overlap']})")
-    lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<16}{c['instruction']}" for c in o["costliest"]]
+    lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<18} {c['instruction']}" for c in o["costliest"]]
     if "decode" in o:
         d = o["decode"]
         lines.append(f"decode: HBM bytes per step over all devices {g(d['hbm_bytes_all_devices']).strip()} "
