@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import config as C
+from k3jax.configfiles import read_json_or_dict
 from k3jax.infer import caches
 from k3jax.infer import generate as G
 from k3jax.model import init_params
@@ -99,7 +100,7 @@ def bench_cache_bytes():
 
 
 def kimi_linear_dict(vocab: int) -> dict:
-    d = {k: v for k, v in C._read_json_or_dict(C.preset_path("kimi_linear_48b")).items() if k != "train"}
+    d = {k: v for k, v in read_json_or_dict(C.preset_path("kimi_linear_48b")).items() if k != "train"}
     d.update(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=64,
              qk_rope_head_dim=32, v_head_dim=64, num_experts=16, num_experts_per_token=4, vocab_size=vocab,

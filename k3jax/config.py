@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from k3jax.errors import K3JaxError
+from k3jax.configfiles import deep_merge, read_json_or_dict
+from k3jax.errors import ConfigError
 
 def _config_dir() -> str:
     """The presets: the repository's configs/ in a source tree, else the copy the wheel
@@ -32,10 +30,6 @@ def _config_dir() -> str:
 
 
 CONFIG_DIR = _config_dir()
-
-
-class ConfigError(K3JaxError):
-    """A config key is unknown, missing or inconsistent; the message names it."""
 
 
 # Keys every transformers PretrainedConfig serialises; they do not change the architecture.
@@ -376,7 +370,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path_or_dict, runtime: RuntimeOptions | None = None) -> "ModelConfig":
         """From a `config.json` path, a directory holding one, or its dict."""
-        hf = _read_json_or_dict(path_or_dict)
+        hf = read_json_or_dict(path_or_dict)
         if hf.get("model_type") == "kimi_k3":
             text = hf.get("text_config")
             _check(isinstance(text, dict), "text_config", type(text).__name__, "kimi_k3 needs a text_config dict")
@@ -502,7 +496,7 @@ class K3Config:
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "K3Config":
-        hf = _read_json_or_dict(path_or_dict)
+        hf = read_json_or_dict(path_or_dict)
         if hf.get("model_type") != "kimi_k3":
             return cls(ModelConfig.from_hf(hf), None, {})
         top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
@@ -527,64 +521,6 @@ class K3Config:
         return out
 
 
-def _read_json_or_dict(path_or_dict) -> dict:
-    if isinstance(path_or_dict, dict):
-        return path_or_dict
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        text = f.read()
-    d = parse_yaml(text, path) if path.endswith((".yaml", ".yml")) else parse_json(text, path)
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: a config must be a mapping, got {type(d).__name__}")
-    return d
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    """`over` onto `base`: mappings merge key by key at every depth, anything else (lists,
-    scalars, a mapping replacing a non-mapping) is replaced whole."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def parse_yaml(text: str, path: str):
-    """YAML with syntax errors reported as `path:line:column: ...` (one line)."""
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
-        what = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"{where}: YAML syntax error: {what}") from None
-
-
-def parse_json(text: str, path: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: JSON syntax error: {e.msg}") from None
-
-
 def preset_path(name: str) -> str:
     return os.path.join(CONFIG_DIR, f"{name}.yaml")
 
@@ -598,7 +534,7 @@ def load_k3(name_or_path) -> K3Config:
     if not os.path.exists(p):
         presets = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
         raise ConfigError(f"no config at {name_or_path!r} and no preset of that name (presets: {presets})")
-    d = dict(_read_json_or_dict(p))
+    d = dict(read_json_or_dict(p))
     if "extends" in d:   # `extends: k3`: another preset (name or path) under this one's keys
         base = d.pop("extends")
         _check(isinstance(base, str), "extends", base, "a preset name or a path")

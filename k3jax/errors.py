@@ -13,6 +13,10 @@ class K3JaxError(ValueError):
     """Bad input: the message names the file, key, tensor or id."""
 
 
+class ConfigError(K3JaxError):
+    """A config key is unknown, missing or inconsistent; the message names it."""
+
+
 class InputError(K3JaxError):
     """Model inputs that cannot be run: wrong shape, ids out of range, too long."""
 

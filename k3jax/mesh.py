@@ -1,4 +1,4 @@
-"""Meshes and logical-axis rules (the ground: imports nothing of k3jax but config).
+"""Meshes and logical-axis rules (the ground: imports nothing of k3jax but config and its file reader).
 
 A mesh preset (`configs/meshes/NAME.yaml`) names the size of each mesh axis — `data`,
 `fsdp`, `expert`, `tensor`, `context` — within a slice (`ici`) and across slices (`dcn`),
@@ -29,7 +29,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.config import CONFIG_DIR, ConfigError, RuntimeOptions, parse_yaml
+from k3jax.config import CONFIG_DIR, ConfigError, RuntimeOptions
+from k3jax.configfiles import parse_yaml
 
 AXES = ("data", "fsdp", "expert", "tensor", "context")
 MESH_DIR = os.path.join(CONFIG_DIR, "meshes")

@@ -6,7 +6,7 @@ import os
 from helpers import ROOT
 
 FLOORS = ("ground", "kernels", "ops", "layers", "model", "jobs", "command")
-GROUND = ("config", "errors", "mesh", "layout", "lora")
+GROUND = ("config", "configfiles", "errors", "mesh", "layout", "lora")
 
 
 def floor(module: str) -> str | None:

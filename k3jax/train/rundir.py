@@ -269,7 +269,8 @@ def _parse_metrics(path: str, lines: list[str], log) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 def read_run_config(directory: str) -> dict | None:
     """The run's config.yaml as a dict (None when there is none); YAML errors name file:line."""
-    from k3jax.config import ConfigError, parse_yaml
+    from k3jax.config import ConfigError
+    from k3jax.configfiles import parse_yaml
     path = f"{str(directory).rstrip('/')}/{RUN_CONFIG}"
     p = epath.Path(path)
     if not p.exists():
