@@ -280,3 +280,8 @@ def preset_runtime(preset: MeshPreset, given) -> dict:
     """The preset's runtime settings for the keys in no `given` (the user's flags, config
     section and overrides win): what plan, compile and train each add, and print."""
     return {k: v for k, v in preset.runtime.items() if k not in given}
+
+
+def describe_runtime(preset_name: str, settings: dict) -> str:
+    """The line plan, compile and train print for the settings a preset gave."""
+    return f"runtime from mesh {preset_name}: " + ", ".join(f"{k}={v}" for k, v in settings.items())

@@ -123,7 +123,7 @@ def run(args) -> int:
     from k3jax.param_count import count_params
     from k3jax.plan import PlanOptions, plan
     from k3jax.commands.plan import runtime_values
-    from k3jax.mesh import preset_runtime
+    from k3jax.mesh import describe_runtime, preset_runtime
     from k3jax.sharding import load_preset, preset_for
     from k3jax.train.config import parse_overrides, resolve
 
@@ -150,7 +150,7 @@ def run(args) -> int:
     from_preset = preset_runtime(preset, {**(k3.train or {}).get("runtime", {}), **overrides.get("runtime", {})})
     if from_preset:
         overrides.setdefault("runtime", {}).update(runtime_values(from_preset))
-        log(f"runtime from mesh {preset.name}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items()))
+        log(describe_runtime(preset.name, from_preset))
     if "ep_buffer_mib" in overrides.get("runtime", {}):
         k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=overrides["runtime"]["ep_buffer_mib"]))
     # before the compile: the planner's checks (the batch's placement on the mesh) fail fast

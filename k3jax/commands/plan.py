@@ -59,7 +59,7 @@ def _gib(n) -> str:
 
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
-    from k3jax.mesh import preset_for, preset_runtime
+    from k3jax.mesh import describe_runtime, preset_for, preset_runtime
     from k3jax.plan import PlanOptions, fit_suggestions, plan
     from k3jax.sharding import load_preset
 
@@ -93,7 +93,7 @@ def run(args) -> int:
     for group, d in out["detail"].items():
         print(f"  {group}: " + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in d.items()) + " GiB")
     if from_preset:
-        print(f"runtime from mesh {out['mesh']}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items())
+        print(describe_runtime(out["mesh"], from_preset)
               + " (the preset's settings; a flag or runtime.KEY= in train changes them)")
     if out["hbm_bytes"] is None:
         print("fits: unknown (give --hbm-gib)")

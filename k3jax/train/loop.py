@@ -263,7 +263,7 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if mesh is None:
         return _run(config_path, overrides, log, None)
     from k3jax import sharding
-    from k3jax.mesh import preset_runtime
+    from k3jax.mesh import describe_runtime, preset_runtime
     section = load_k3(config_path).train
     given = tconf.parse_overrides(overrides or [])
     batch = tconf.resolve(section, given)["data"]["batch_size"]
@@ -275,7 +275,7 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     from_preset = preset_runtime(preset, {**((section or {}).get("runtime") or {}), **given.get("runtime", {})})
     if from_preset:
         overrides = list(overrides or []) + [f"runtime.{k}={v}" for k, v in from_preset.items()]
-        log(f"runtime from mesh {preset.name}: " + ", ".join(f"{k}={v}" for k, v in from_preset.items()))
+        log(describe_runtime(preset.name, from_preset))
     m, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
