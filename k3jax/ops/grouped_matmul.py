@@ -1,15 +1,32 @@
 """Grouped matmul for dropless MoE: rows sorted by expert, each group times its own weight.
 
-`grouped_matmul(x, w, group_sizes)` has `jax.lax.ragged_dot`'s contract. TPU and GPU run
-`ragged_dot` itself; XLA:CPU lowers `ragged_dot` to a dense product of every row with
-every expert's weight, masked afterwards (E× the FLOPs: 896× for K3), so CPU gets a tiled
-form instead — each group padded to whole row tiles, one [tile, D] × [D, F] product per
-tile with that tile's expert weight, padding at most one partial tile per group.
+`grouped_matmul(x, w, group_sizes)` has `jax.lax.ragged_dot`'s contract. Two forms:
+- "pallas" (TPU and GPU): our grouped-matmul kernels (pallas_kernels.gmm) joined by a
+  custom VJP: dx is the same kernel through Wᵀ, dW the transposed kernel `tgmm`, which
+  multiplies only each expert's own rows. XLA's transpose of `ragged_dot` (what autodiff
+  gave before) is a dense product of every row with every local expert: 14× the expert
+  weight-gradient FLOPs in K3's compiled train step. Interpret mode on CPU, for tests.
+- "tiled" (CPU): XLA:CPU lowers `ragged_dot` itself to that dense product (E× the FLOPs,
+  896× for K3), so CPU runs each group padded to whole row tiles, one [tile, D] × [D, F]
+  product per tile with its expert's weight (at most one partial tile of padding a
+  group), differentiated by autodiff.
+"auto" (the default) is a `jax.lax.platform_dependent` of the two, so one traced program
+serves CPU tests and exports or compiles for TPU and GPU.
+
+Inside the MoE's `shard_map` (type check on) the inputs are cast to vary together outside
+the custom VJP: the weight's cotangent then comes back summed over the token shards its
+weight is replicated on, by the cast's own transpose.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gmm import gmm, tgmm
+from pallas_kernels.mxfp4_gmm.manual import vary_together
 
 _HI = jax.lax.Precision.HIGHEST
 _MAX_TILE = 128
@@ -25,6 +42,7 @@ def tile_rows(m: int, n_groups: int) -> int:
 
 
 def _tiled(x, w, group_sizes, tile):
+    """The CPU form (module doc)."""
     M, D = x.shape
     E, _, F = w.shape
     n_tiles = -(-M // tile) + E  # static bound: each group adds at most one partial tile
@@ -60,16 +78,52 @@ def _tiled(x, w, group_sizes, tile):
     return jnp.where((r < row_end[-1])[:, None], out, 0.0).astype(jnp.result_type(x, w))
 
 
-def grouped_matmul(x, w, group_sizes):
+IMPLS = ("auto", "tiled", "pallas")
+
+
+def grouped_matmul(x, w, group_sizes, *, impl="auto", expected_rows=None):
     """x [M, D] with rows sorted by group, w [E, D, F], group_sizes [E] (Σ <= M; rows past
-    the sum come out zero). Returns [M, F]: row r times the weight of its group."""
-    tile = tile_rows(x.shape[0], w.shape[0])
-    # HIGHEST only where it means something (fp32 operands): bf16 products are exact in one
-    # bf16 pass, and TPU's ragged_dot kernel (Mosaic) refuses bf16 operands at fp32
-    # contract precision ("Bad lhs type"; found by compiling the train step for v5p)
-    prec = _HI if jnp.result_type(x, w) == jnp.float32 else None
-    return jax.lax.platform_dependent(
-        x, w, group_sizes,
-        cpu=lambda x, w, s: _tiled(x, w, s, tile),
-        default=lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=prec),
-    )
+    the sum come out zero). Returns [M, F] in the operands' result type: row r times the
+    weight of its group. impl: see the module doc ("pallas" runs the kernels on every
+    platform: Mosaic on TPU, Triton on GPU, interpret mode elsewhere).
+    expected_rows: the rows doing real work under balanced routing, for the kernels'
+    declared costs (pallas_kernels.gmm)."""
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {IMPLS}")
+    dt = jnp.result_type(x, w)
+    x, w = x.astype(dt), w.astype(dt)
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
+    tiled = functools.partial(_tiled, tile=tile_rows(x.shape[0], w.shape[0]))
+    if x.shape[0] == 0 or impl == "tiled":
+        return tiled(x, w, group_sizes)
+    fused = functools.partial(_typed, expected_rows)
+    if impl == "pallas":
+        return fused(x, w, group_sizes)
+    return jax.lax.platform_dependent(x, w, group_sizes, cpu=tiled, default=fused)
+
+
+# -- the kernels' differentiable op -----------------------------------------------------
+
+
+def _typed(expected, x, w, sizes):
+    return _pallas(expected, *vary_together(x, w, sizes)[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pallas(expected, x, w, sizes):
+    return gmm(x, w, sizes, expected_rows=expected)
+
+
+def _pallas_fwd(expected, x, w, sizes):
+    return _pallas(expected, x, w, sizes), (x, w, sizes)
+
+
+def _pallas_bwd(expected, res, ct):
+    x, w, sizes = res
+    ct = ct.astype(x.dtype)
+    dx = gmm(ct, w, sizes, transpose_rhs=True, expected_rows=expected)
+    dw = tgmm(x, ct, sizes, out_dtype=w.dtype, expected_rows=expected)
+    return dx, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_pallas.defvjp(_pallas_fwd, _pallas_bwd)
