@@ -19,13 +19,14 @@ from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
 _HI = jax.lax.Precision.HIGHEST
 
 
-def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0):
-    """rows [M, in] sorted by expert, group sizes [E] -> [M, out] (rows past Σ sizes are 0)."""
+def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None):
+    """rows [M, in] sorted by expert, group sizes [E] -> [M, out] (rows past Σ sizes are 0).
+    expected_rows: rows doing real work under balanced routing (the kernels' declared costs)."""
     if isinstance(w, MXFP4):
         from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
-        y = mxfp4_grouped_matmul(rows, w.packed, w.scale, sizes)
+        y = mxfp4_grouped_matmul(rows, w.packed, w.scale, sizes, expected_rows=expected_rows)
     else:
-        y = grouped_matmul(rows, w, sizes)
+        y = grouped_matmul(rows, w, sizes, expected_rows=expected_rows)
     if adapter is None:
         return y
     a, b = adapter
@@ -33,8 +34,9 @@ def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0):
     if a.ndim == 2:   # one A for every expert
         low = jnp.dot(rows, a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
     else:
-        low = grouped_matmul(rows, a.astype(dt), sizes)
-    return y + (scale * grouped_matmul(low, b.astype(dt), sizes)).astype(y.dtype)
+        low = grouped_matmul(rows, a.astype(dt), sizes, expected_rows=expected_rows)
+    up = grouped_matmul(low, b.astype(dt), sizes, expected_rows=expected_rows)
+    return y + (scale * up).astype(y.dtype)
 
 
 def dense_weight(w, dtype):

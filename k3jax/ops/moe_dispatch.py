@@ -92,10 +92,10 @@ def experts_dense(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     return jnp.einsum("ne,ned->nd", comb, out.astype(jnp.float32), precision=HIGHEST)
 
 
-def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters):
-    """The expert FFN on rows sorted by expert."""
+def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters, expected_rows=None):
+    """The expert FFN on rows sorted by expert (expected_rows: see expert_matmul)."""
     mm = lambda x, r: expert_matmul(x, weights[r], sizes, adapters.get(r),  # noqa: E731
-                                    _scale(cfg, r) if r in adapters else 0.0)
+                                    _scale(cfg, r) if r in adapters else 0.0, expected_rows)
     return mm(act(mm(rows, "w1"), mm(rows, "w3")), "w2")
 
 
@@ -322,7 +322,9 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, i
     # 3. grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
-    out = _ffn(cfg, act, recv[order2], sizes, weights, adapters)
+    # under balanced routing a device receives about the m pairs it sends: the kernels'
+    # declared costs count those, not the dropless buffer's R = P·m rows
+    out = _ffn(cfg, act, recv[order2], sizes, weights, adapters, expected_rows=min(m, R))
     out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
 
     # 4. return the results to their senders, in the sender's sorted-pair order; a dropped

@@ -86,7 +86,8 @@ def _check(x, packed, scale, group_sizes, transpose_rhs):
 
 
 def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, impl="auto",
-                         compute_dtype=None, block_experts=None, window_rows=None):
+                         compute_dtype=None, block_experts=None, window_rows=None,
+                         expected_rows=None):
     """Rows of x (sorted by group) times their group's MXFP4 weight; see the module doc.
 
     x [M, K] (transpose_rhs=True) or [M, N]; packed [E, N, K/2] u8; scale [E, N, K/32] u8;
@@ -95,6 +96,8 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
     block_experts / window_rows (pure path): experts decoded at once and rows per product;
     by default one expert and grouped_matmul's row tile on CPU, elsewhere as many experts
     as fit in 256 MiB dequantized. block_experts > 1 uses ragged_dot on every backend.
+    expected_rows: the rows doing real work under balanced routing, for the Pallas
+    kernels' declared costs.
     """
     if impl not in IMPLS:
         raise ValueError(f"mxfp4_grouped_matmul: unknown impl {impl!r}; expected one of {IMPLS}")
@@ -102,7 +105,7 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
     cdt = jnp.dtype(compute_dtype or x.dtype)
     if x.shape[0] == 0:  # no rows (a device that received none): nothing to tile
         return jnp.zeros((0, packed.shape[1] if transpose_rhs else 2 * packed.shape[2]), x.dtype)
-    opts = (bool(transpose_rhs), cdt, block_experts, window_rows, impl)
+    opts = (bool(transpose_rhs), cdt, block_experts, window_rows, impl, expected_rows)
     # Inside shard_map every input is cast to vary over the axes any of them does, outside
     # the custom_vjp: so x's cotangent may vary where the weights do (w1 split over
     # `tensor`), and autodiff sums it over the axes x itself was replicated on.
@@ -115,8 +118,7 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gmm(opts, x, packed, scale, sizes):
-    transpose_rhs, cdt, block, window, impl = opts
-    return _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl)
+    return _dispatch(x, packed, scale, sizes, *opts)
 
 
 def _gmm_fwd(opts, x, packed, scale, sizes):
@@ -124,10 +126,10 @@ def _gmm_fwd(opts, x, packed, scale, sizes):
 
 
 def _gmm_bwd(opts, res, ct):
-    transpose_rhs, cdt, block, window, impl = opts
+    transpose_rhs, *rest = opts
     packed, scale, sizes = res
     # d/dx of x @ Wᵀ is ct @ W and the other way round: the same op, the other orientation.
-    dx = _dispatch(ct, packed, scale, sizes, not transpose_rhs, cdt, block, window, impl)
+    dx = _dispatch(ct, packed, scale, sizes, not transpose_rhs, *rest)
     zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731 — integer inputs
     return dx, zero(packed), zero(scale), zero(sizes)
 
@@ -135,11 +137,12 @@ def _gmm_bwd(opts, res, ct):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl):
+def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, expected):
     E, N, half = packed.shape
     M = x.shape[0]
     pure = functools.partial(_pure, transpose_rhs=transpose_rhs, cdt=cdt)
-    fused = functools.partial(mxfp4_gmm, transpose_rhs=transpose_rhs, compute_dtype=cdt)
+    fused = functools.partial(mxfp4_gmm, transpose_rhs=transpose_rhs, compute_dtype=cdt,
+                              expected_rows=expected)
     if impl == "pallas":
         return fused(x, packed, scale, sizes)  # Mosaic, Triton or interpret mode per platform
     if block is not None:

@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.mxfp4_gmm import groups, tpu, triton
 from pallas_kernels.mxfp4_gmm.manual import vary_together
@@ -75,17 +76,19 @@ def _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs):
 
 
 def mxfp4_gmm(x, packed, scale, group_sizes, *, transpose_rhs=True, compute_dtype=None,
-              mode="auto", layout=None, tm=None):
+              mode="auto", layout=None, tm=None, expected_rows=None):
     """See the module doc. compute_dtype: the decoded weights' and x's dtype in the products
     (default x's); the output has x's dtype. layout: for mode="interpret", which kernels
     to run ("tpu" by default); tm: rows per tile (TPU layout; a power of two >= 16 on
-    Triton's)."""
+    Triton's). expected_rows: the rows doing real work under balanced routing, which the
+    kernels' declared cost estimates count (as pallas_kernels.gmm's)."""
     if mode not in MODES:
         raise ValueError(f"mxfp4_gmm: unknown mode {mode!r}; expected one of {MODES}")
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"mxfp4_gmm: unknown layout {layout!r}; expected one of {LAYOUTS}")
     cdt = jnp.dtype(compute_dtype or x.dtype)
-    run = functools.partial(_run, transpose_rhs=transpose_rhs, cdt=cdt, layout=layout, tm=tm)
+    run = functools.partial(_run, transpose_rhs=transpose_rhs, cdt=cdt, layout=layout, tm=tm,
+                            expected_rows=expected_rows)
     if mode != "auto":
         return run(x, packed, scale, group_sizes, mode=mode)
     per = lambda m: functools.partial(run, mode=m)  # noqa: E731
@@ -106,9 +109,20 @@ def _triton_tiles(M, N, Kh, cdt, tm=None):
                 tnc=_pow2(N, 16, 64))
 
 
-def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode):
+def _cost(rows, E, N, Kh, c, out_itemsize, x_reads, transpose_rhs):
+    """The product's FLOPs for `rows` rows, x read x_reads times, each weight's packed bytes
+    and scales once, the output written once."""
+    K = 2 * Kh
+    x_cols, out_cols = (K, N) if transpose_rhs else (N, K)
+    return pl.CostEstimate(flops=int(2 * rows * N * K), transcendentals=0,
+                           bytes_accessed=int(rows * (x_cols * c * x_reads + out_cols * out_itemsize)
+                                              + E * N * (Kh + K // 32)))
+
+
+def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expected_rows, mode):
     E, N, Kh = packed.shape
     M = x.shape[0]
+    rows = M if expected_rows is None else min(M, int(expected_rows))
     layout = layout or ("triton" if mode == "triton" else "tpu")
     if (mode, layout) in (("tpu", "triton"), ("triton", "tpu")):
         raise ValueError(f"mxfp4_gmm: mode {mode!r} runs its own layout, not {layout!r}")
@@ -123,7 +137,10 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, mode)
     (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
     xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
     vis = groups.visits(group_sizes, M_pad, tm)
-    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes)
+    tiles_n = -(-N // (tn if layout == "tpu" else tiles["tn"])) if transpose_rhs else 1
+    cost = _cost(rows, min(E, max(rows, 1)), N, Kh, jnp.dtype(cdt).itemsize, x.dtype.itemsize, tiles_n,
+                 transpose_rhs)
+    common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes, cost=cost)
     if transpose_rhs:
         x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]
         if layout == "tpu":

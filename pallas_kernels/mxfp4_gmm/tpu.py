@@ -112,19 +112,20 @@ def _nn_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, p_ref, s_ref,
     _write(ohi_ref, g, n_real, first, inside, lambda: matmul(x_ref[...], whi_ref[...].astype(cdt), nn))
 
 
-def _params(mode, vmem_bytes):
+def _params(mode, vmem_bytes, cost):
+    extra = {} if cost is None else dict(cost_estimate=cost)
     if mode == "interpret":
-        return dict(interpret=True)
+        return dict(interpret=True, **extra)
     # Column tiles are independent (megacore may split them); visits must run in order.
     return dict(compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_bytes))
+        dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_bytes), **extra)
 
 
 def _row_chunk(rows):
     return 32 if rows % 32 == 0 else rows  # u8 refs tile 32 rows to a vreg
 
 
-def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, vmem_bytes, axes):
+def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, vmem_bytes, axes, cost=None):
     """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2] (compute dtype)."""
     E, N, Kh = packed.shape
     Ks = scale.shape[-1]
@@ -142,10 +143,10 @@ def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, out_dtype, mode, matmul, v
     kernel = functools.partial(_nt_kernel, n_real=E, tm=tm, rc=_row_chunk(tn), matmul=matmul)
     return pl.pallas_call(kernel, grid_spec=spec, name="mxfp4_gmm_nt",
                           out_shape=out_struct((M_pad, N), out_dtype, axes),
-                          **_params(mode, vmem_bytes))(*vis, x_lo, x_hi, packed, scale)
+                          **_params(mode, vmem_bytes, cost))(*vis, x_lo, x_hi, packed, scale)
 
 
-def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_bytes, axes):
+def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_bytes, axes, cost=None):
     """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns; scale_t is
     [E, K/2/tkh, N, tkh/16]."""
     E, N, Kh = packed.shape
@@ -163,4 +164,4 @@ def gmm_nn(vis, x, packed, scale_t, *, tm, tkh, out_dtype, mode, matmul, vmem_by
     kernel = functools.partial(_nn_kernel, n_real=E, tm=tm, rc=_row_chunk(N), matmul=matmul)
     shape = out_struct((M_pad, Kh), out_dtype, axes)
     return pl.pallas_call(kernel, grid_spec=spec, name="mxfp4_gmm_nn", out_shape=[shape, shape],
-                          **_params(mode, vmem_bytes))(*vis, x, packed, scale_t)
+                          **_params(mode, vmem_bytes, cost))(*vis, x, packed, scale_t)

@@ -103,13 +103,14 @@ def _whole(a):
     return pl.BlockSpec(a.shape, lambda j, i: (0,) * a.ndim)
 
 
-def _params(mode, num_warps):
+def _params(mode, num_warps, cost):
+    extra = {} if cost is None else dict(cost_estimate=cost)
     if mode == "interpret":
-        return dict(interpret=True)
-    return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1))
+        return dict(interpret=True, **extra)
+    return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), **extra)
 
 
-def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, axes, num_warps=4):
+def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, axes, num_warps=4, cost=None):
     """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2]."""
     E, N, Kh = packed.shape
     args = (*vis, x_lo, x_hi, packed, scale)
@@ -118,10 +119,10 @@ def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matm
         kernel, grid=(vis.group.shape[0], pl.cdiv(N, tn)), in_specs=[_whole(a) for a in args],
         out_specs=pl.BlockSpec((x_lo.shape[0], N), lambda j, i: (0, 0)),
         out_shape=out_struct((x_lo.shape[0], N), out_dtype, axes), name="mxfp4_gmm_nt",
-        **_params(mode, num_warps))(*args)
+        **_params(mode, num_warps, cost))(*args)
 
 
-def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes, num_warps=4):
+def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes, num_warps=4, cost=None):
     """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns."""
     E, N, Kh = packed.shape
     args = (*vis, x, packed, scale)
@@ -131,4 +132,4 @@ def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes
     return pl.pallas_call(
         kernel, grid=(vis.group.shape[0], pl.cdiv(Kh, tkh)), in_specs=[_whole(a) for a in args],
         out_specs=[whole_out, whole_out], out_shape=[shape, shape], name="mxfp4_gmm_nn",
-        **_params(mode, num_warps))(*args)
+        **_params(mode, num_warps, cost))(*args)
