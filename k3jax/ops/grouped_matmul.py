@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gmm import gmm, tgmm
-from pallas_kernels.mxfp4_gmm.manual import vary_together
+from pallas_kernels.grouped.manual import vary_together
 
 _HI = jax.lax.Precision.HIGHEST
 _MAX_TILE = 128

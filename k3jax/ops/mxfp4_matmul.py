@@ -38,7 +38,7 @@ import numpy as np
 from k3jax.ops.grouped_matmul import tile_rows
 from pallas_kernels.mxfp4_gmm import mxfp4_gmm
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
-from pallas_kernels.mxfp4_gmm.manual import vary_together
+from pallas_kernels.grouped.manual import vary_together
 
 IMPLS = ("auto", "pure", "pallas")
 GROUP = 32  # inputs per E8M0 scale

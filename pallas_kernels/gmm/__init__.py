@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gmm import tpu, triton
-from pallas_kernels.mxfp4_gmm import _matmul_for, _pow2
-from pallas_kernels.mxfp4_gmm import groups
-from pallas_kernels.mxfp4_gmm.manual import vary_together
+from pallas_kernels.grouped.visits import visits
+from pallas_kernels.grouped.matmul import matmul_for, pow2
+from pallas_kernels.grouped.manual import vary_together
 
 MODES = ("auto", "interpret", "tpu", "triton")
 LAYOUTS = ("tpu", "triton")
@@ -106,14 +106,14 @@ def _gmm(x, w, group_sizes, *, transpose_rhs, layout, expected_rows, mode):
     if layout == "tpu":
         tm, tk, tn = _tpu_rows(M, x.dtype), _tpu_tile(K), _tpu_tile(N)
     else:
-        tm, tn = _pow2(M, 16, 64), _pow2(N, 16, 64)
-        tk = _pow2(K, 16, 64 if x.dtype == jnp.bfloat16 else 32)
+        tm, tn = pow2(M, 16, 64), pow2(N, 16, 64)
+        tk = pow2(K, 16, 64 if x.dtype == jnp.bfloat16 else 32)
     M_pad = -(-M // tm) * tm
     xp = jnp.pad(x, ((0, M_pad - M), (0, 0)))
-    vis = groups.visits(group_sizes, M_pad, tm)
+    vis = visits(group_sizes, M_pad, tm)
     cost = _cost(rows, K, N, min(E, max(rows, 1)), c, -(-N // tn), 1, c)
     common = dict(transpose_rhs=transpose_rhs, tm=tm, tk=tk, tn=tn, out_dtype=x.dtype, mode=mode,
-                  matmul=_matmul_for(mode, x.dtype), axes=axes, cost=cost)
+                  matmul=matmul_for(mode, x.dtype), axes=axes, cost=cost)
     if layout == "tpu":
         y = tpu.gmm(vis, xp, w, vmem_bytes=_vmem(tm, tk, tn, c, c), **common)
     else:
@@ -143,15 +143,15 @@ def _tgmm(x, dy, group_sizes, *, out_dtype, layout, expected_rows, mode):
     if layout == "tpu":
         tm, tk, tn = _tpu_rows(M, x.dtype), _tpu_tile(K), _tpu_tile(N)
     else:
-        tk, tn = _pow2(K, 16, 64), _pow2(N, 16, 64)
-        tm = _pow2(M, 16, 64 if x.dtype == jnp.bfloat16 else 32)
+        tk, tn = pow2(K, 16, 64), pow2(N, 16, 64)
+        tm = pow2(M, 16, 64 if x.dtype == jnp.bfloat16 else 32)
     cost = _cost(rows, K, N, E, c, -(-N // tn), -(-K // tk), out_dtype.itemsize)
     common = dict(tm=tm, tk=tk, tn=tn, out_dtype=out_dtype, mode=mode,
-                  matmul=_matmul_for(mode, x.dtype), axes=axes, cost=cost)
+                  matmul=matmul_for(mode, x.dtype), axes=axes, cost=cost)
     if layout == "triton":
-        vis = groups.visits(group_sizes, -(-M // tm) * tm, tm)
+        vis = visits(group_sizes, -(-M // tm) * tm, tm)
         return triton.tgmm(vis.bounds, x, dy, E, **common)
     M_pad = -(-M // tm) * tm
     pad = lambda a: jnp.pad(a, ((0, M_pad - M), (0, 0)))  # noqa: E731
-    vis = groups.visits(group_sizes, M_pad, tm, every_group=True)
+    vis = visits(group_sizes, M_pad, tm, every_group=True)
     return tpu.tgmm(vis, pad(x), pad(dy), E, vmem_bytes=_vmem(tm, tk, tn, c, out_dtype.itemsize), **common)

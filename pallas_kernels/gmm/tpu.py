@@ -10,7 +10,7 @@ rows past Σ sizes (group E) write only those zeros.
 `tgmm`: grid (contraction-row tiles, output-column tiles, visits), visits innermost. A
 visit adds its group's rows of xᵀ·dy into the accumulator (rows of other groups masked to
 zero); the group's last visit writes its expert's gradient tile. Every expert has a visit
-(groups.visits(every_group=True)): an empty one writes zeros. The visits past the end
+(visits(every_group=True)): an empty one writes zeros. The visits past the end
 load the last expert's tile and write nothing.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.mxfp4_gmm.manual import out_struct
+from pallas_kernels.grouped.manual import out_struct
 
 
 def _rows_inside(tile, g, bounds_ref, tm):
@@ -30,9 +30,9 @@ def _rows_inside(tile, g, bounds_ref, tm):
     return (rows >= bounds_ref[g]) & (rows < bounds_ref[g + 1])
 
 
-def _gmm_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, w_ref, o_ref, acc_ref, *,
+def _gmm_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xtile_ref, x_ref, w_ref, o_ref, acc_ref, *,
                 n_real, tm, dims, matmul):
-    del weight_ref
+    del weight_ref, xtile_ref
     i, k = pl.program_id(1), pl.program_id(2)
     prev = jnp.maximum(i - 1, 0)
     g = group_ref[i]
@@ -68,9 +68,12 @@ def _tgmm_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, dy_ref, o_r
 
     @pl.when(g < n_real)
     def _():
+        # Both sides masked: a row of another group (or past Σ sizes, where the MoE's
+        # buffers hold whatever) may carry inf or NaN, and 0 · NaN is NaN.
         inside = _rows_inside(tile_ref[i], g, bounds_ref, tm)
         x = jnp.where(inside, x_ref[...], jnp.zeros(x_ref.shape, x_ref.dtype))
-        acc_ref[...] += matmul(x, dy_ref[...], ((0,), (0,)))
+        dy = jnp.where(inside, dy_ref[...], jnp.zeros(dy_ref.shape, dy_ref.dtype))
+        acc_ref[...] += matmul(x, dy, ((0,), (0,)))
 
     @pl.when(ends & (g < n_real))
     def _():
@@ -92,16 +95,20 @@ def gmm(vis, x, w, *, transpose_rhs, tm, tk, tn, out_dtype, mode, matmul, axes, 
     E = w.shape[0]
     N = w.shape[1] if transpose_rhs else w.shape[2]
     if transpose_rhs:
-        w_spec = pl.BlockSpec((None, tn, tk), lambda j, i, k, g, t, wt, b: (wt[i], j, k))
+        w_spec = pl.BlockSpec((None, tn, tk), lambda j, i, k, g, t, wt, b, xt: (wt[i], j, k))
         dims = ((1,), (1,))
     else:
-        w_spec = pl.BlockSpec((None, tk, tn), lambda j, i, k, g, t, wt, b: (wt[i], k, j))
+        w_spec = pl.BlockSpec((None, tk, tn), lambda j, i, k, g, t, wt, b, xt: (wt[i], k, j))
         dims = ((1,), (0,))
+    # The visits of rows past Σ sizes read no x: they keep the last real tile's block, so
+    # the pipeline fetches nothing for them (the `ep` buffer's dropless tail is most rows).
+    x_tile = jnp.where(vis.group < E, vis.tile, jnp.maximum(jax.lax.cummax(
+        jnp.where(vis.group < E, vis.tile, -1)), 0)).astype(jnp.int32)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(N // tn, vis.group.shape[0], K // tk),
-        in_specs=[pl.BlockSpec((tm, tk), lambda j, i, k, g, t, wt, b: (t[i], k)), w_spec],
-        out_specs=pl.BlockSpec((tm, tn), lambda j, i, k, g, t, wt, b: (t[i], j)),
+        in_specs=[pl.BlockSpec((tm, tk), lambda j, i, k, g, t, wt, b, xt: (xt[i], k)), w_spec],
+        out_specs=pl.BlockSpec((tm, tn), lambda j, i, k, g, t, wt, b, xt: (t[i], j)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
     )
     kernel = functools.partial(_gmm_kernel, n_real=E, tm=tm, dims=dims, matmul=matmul)
@@ -109,7 +116,7 @@ def gmm(vis, x, w, *, transpose_rhs, tm, tk, tn, out_dtype, mode, matmul, axes, 
     return pl.pallas_call(kernel, grid_spec=spec, name="gmm_nt" if transpose_rhs else "gmm",
                           out_shape=out_struct((M_pad, N), out_dtype, axes),
                           **_params(mode, ("parallel", "arbitrary", "arbitrary"), vmem_bytes, cost),
-                          )(*vis, x, w)
+                          )(*vis, x_tile, x, w)
 
 
 def tgmm(vis, x, dy, n_groups, *, tm, tk, tn, out_dtype, mode, matmul, axes, vmem_bytes, cost):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.mxfp4_gmm.manual import out_struct
+from pallas_kernels.grouped.manual import out_struct
 
 
 def _iota(n):
@@ -72,7 +72,7 @@ def _tgmm_kernel(bounds_ref, x_ref, dy_ref, o_ref, *, tm, tk, tn, matmul):
     def chunk(c, acc):
         r0 = start + c * tm
         row_ok = r0 + _iota(tm) < end
-        x = _load(x_ref, r0, tm, k0, tk, row_ok)
+        x = _load(x_ref, r0, tm, k0, tk, row_ok)   # both masked: 0 · NaN is NaN
         dy = _load(dy_ref, r0, tm, n0, tn, row_ok)
         return acc + matmul(x.T, dy, ((1,), (0,)))
 

@@ -5,7 +5,7 @@ copy of the experts exists outside a tile.
 `mxfp4_gmm(x, packed, scale, group_sizes, transpose_rhs=...)` with packed [E, N, K/2] and
 scale [E, N, K/32] (uint8, the checkpoint's [out, in] orientation): x [M, K] -> x @ W_gᵀ
 [M, N] (transpose_rhs) or x [M, N] -> x @ W_g [M, K]; rows sorted by group, rows past
-Σ sizes zero. Row tiles are visited group by group (groups.py, megablox style). Two
+Σ sizes zero. Row tiles are visited group by group (pallas_kernels.grouped.visits, megablox style). Two
 layouts of the same product: "tpu" (tpu.py: sequential visits, decoded tile cached in
 VMEM, Mosaic) and "triton" (triton.py: independent programs, decoded chunk by chunk).
 mode "auto" is a `jax.lax.platform_dependent` over Mosaic (TPU), Triton (CUDA, ROCm) and
@@ -24,34 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mxfp4_gmm import groups, tpu, triton
-from pallas_kernels.mxfp4_gmm.manual import vary_together
+from pallas_kernels.grouped.visits import visits
+from pallas_kernels.grouped.manual import vary_together
+from pallas_kernels.grouped.matmul import matmul_for, pow2
+from pallas_kernels.mxfp4_gmm import tpu, triton
 
 MODES = ("auto", "interpret", "tpu", "triton")
 LAYOUTS = ("tpu", "triton")
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _matmul_for(mode, cdt):
-    """The kernels' matmul: fp32 accumulation; fp32 operands at fp32 accuracy in each
-    backend's way (TF32x3 on Triton, as for the KDA kernels: see pallas_kernels/kda/fwd.py);
-    bf16 operands need nothing more (their products are exact in fp32)."""
-    if cdt == jnp.bfloat16:
-        precision = jax.lax.Precision.DEFAULT
-    elif mode == "triton":
-        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    else:
-        precision = _HI
-
-    def matmul(a, b, dims):
-        return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
-
-    return matmul
-
-
-def _pow2(n, lo, hi):
-    return int(min(hi, max(lo, 1 << max(0, n - 1).bit_length())))
 
 
 def _tpu_tiles(M, N, Kh, tm=None):
@@ -103,10 +82,10 @@ def _triton_tiles(M, N, Kh, cdt, tm=None):
     weight rows spilled), 64 packed columns per contraction chunk; x @ W: 64 packed output
     columns (32 in fp32, whose TF32x3 dots need more registers), 64 weight rows a chunk.
     Measured by benchmarks/mxfp4_gmm_triton_compile.py."""
-    tm = tm or _pow2(M, 16, 64)
+    tm = tm or pow2(M, 16, 64)
     wide = 64 if cdt == jnp.bfloat16 else 32
-    return dict(tm=tm, tn=_pow2(N, 16, 64), tkh_nt=_pow2(Kh, 16, 64), tkh_nn=_pow2(Kh, 16, wide),
-                tnc=_pow2(N, 16, 64))
+    return dict(tm=tm, tn=pow2(N, 16, 64), tkh_nt=pow2(Kh, 16, 64), tkh_nn=pow2(Kh, 16, wide),
+                tnc=pow2(N, 16, 64))
 
 
 def _cost(rows, E, N, Kh, c, out_itemsize, x_reads, transpose_rhs):
@@ -126,7 +105,7 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expec
     layout = layout or ("triton" if mode == "triton" else "tpu")
     if (mode, layout) in (("tpu", "triton"), ("triton", "tpu")):
         raise ValueError(f"mxfp4_gmm: mode {mode!r} runs its own layout, not {layout!r}")
-    matmul = _matmul_for(mode, cdt)
+    matmul = matmul_for(mode, cdt)
     if layout == "tpu":
         tm, tn, tkh = _tpu_tiles(M, N, Kh, tm)
         vmem = _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs)
@@ -136,7 +115,7 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expec
     M_pad = -(-M // tm) * tm
     (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
     xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
-    vis = groups.visits(group_sizes, M_pad, tm)
+    vis = visits(group_sizes, M_pad, tm)
     tiles_n = -(-N // (tn if layout == "tpu" else tiles["tn"])) if transpose_rhs else 1
     cost = _cost(rows, min(E, max(rows, 1)), N, Kh, jnp.dtype(cdt).itemsize, x.dtype.itemsize, tiles_n,
                  transpose_rhs)

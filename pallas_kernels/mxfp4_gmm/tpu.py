@@ -2,7 +2,7 @@
 decoded weight tile cached in VMEM.
 
 Grid (weight-column tiles, visits), the visit axis innermost and in order. Scalar prefetch
-carries the visit list (groups.Visits), so each visit's BlockSpecs fetch its row tile of
+carries the visit list (pallas_kernels.grouped.visits.Visits), so each visit's BlockSpecs fetch its row tile of
 x and its expert's packed/scale tile. The tile is decoded into a VMEM scratch on the
 first visit of each (expert, column tile) and reused by the expert's later row tiles, so
 decoding costs once per expert and tile however many rows the expert has. An output tile
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
-from pallas_kernels.mxfp4_gmm.manual import out_struct
+from pallas_kernels.grouped.manual import out_struct
 
 SCALE_LANES = 16  # packed bytes per E8M0 scale (32 values)
 # The decoded tile is cached in bf16 whatever the compute dtype: every MXFP4 value has at

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
-from pallas_kernels.mxfp4_gmm.manual import out_struct
+from pallas_kernels.grouped.manual import out_struct
 from pallas_kernels.mxfp4_gmm.tpu import SCALE_LANES, _expand
 
 
