@@ -149,6 +149,11 @@ class RuntimeOptions:
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
+    # dropless 'ep' (ep_capacity_factor 0) exchanges in two rounds: the first's receive
+    # buffer holds this × the mean (the expected load), an overflow round the worst case's
+    # remainder, run only when some device received more (ops.moe_dispatch.ep_rounds);
+    # 0 = one round sized for the worst case
+    ep_first_round: float = 1.25
     # 'ep' receive buffers above this many MiB per device run the tokens in chunks
     # (layers/moe.py ep_chunks); 0 = one exchange however large
     ep_buffer_mib: float = 1024.0
@@ -173,6 +178,7 @@ class RuntimeOptions:
                self.attention_q_block, "must be a non-negative integer")
         _check(self.ep_capacity_factor >= 0, "ep_capacity_factor", self.ep_capacity_factor, "must be >= 0")
         _check(self.ep_buffer_mib >= 0, "ep_buffer_mib", self.ep_buffer_mib, "must be >= 0")
+        _check(self.ep_first_round >= 0, "ep_first_round", self.ep_first_round, "must be >= 0")
         _check(self.remat in REMAT_POLICIES, "remat", self.remat, f"expected one of {REMAT_POLICIES}")
         _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
                f"expected one of {EXPERT_FORMATS}")

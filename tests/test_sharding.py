@@ -5,6 +5,7 @@ test mesh and holds them to the same config run unsharded on one device (where '
 as 'ragged'); 'ep' itself is held to the `dense` oracle in test_ep_dispatch_dropless_skewed.
 """
 import functools
+import re
 import glob
 import os
 
@@ -164,34 +165,71 @@ def test_init_params_sharded_equals_init_params():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["padded", "emulated"])
-def test_ep_dispatch_dropless_skewed(mode):
-    """Ragged token counts (not divisible by the shards) and a skewed router that sends most
-    pairs to two experts: nothing is dropped, values and gradients equal `dense`. 'emulated'
-    checks the offsets/sizes given to ragged_all_to_all (TPU/GPU) through a CPU stand-in."""
-    cfg = load("toy", ep_exchange=mode)
+def _skewed_moe(skew):
+    """A toy MoE input with ragged token counts (not divisible by the shards): `skew` sends
+    15 of 21 tokens to experts (2, 3), both on expert shard 0 of fsdp2_expert2_tensor2, so
+    that device receives about twice its mean (the dropless overflow round runs), or to
+    (3, 5), one on each shard."""
     E, H, F, k, N = 8, 8, 8, 2, 21
     r = np.random.default_rng(1)
     z = jnp.asarray(r.normal(size=(N, H)), jnp.float32)
     idx = np.stack([r.choice(E, k, replace=False) for _ in range(N)])
-    idx[:15] = [3, 5]
-    idx = jnp.asarray(idx, jnp.int32)
+    idx[:15] = [2, 3] if skew else [3, 5]
     w = jnp.asarray(r.random((N, k)), jnp.float32)
     w1, w3 = (jnp.asarray(r.normal(size=(E, H, F)), jnp.float32) for _ in range(2))
     w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
+    return jnp.asarray(idx, jnp.int32), (z, w, w1, w2, w3)
 
-    def f(fn, z, w, w1, w2, w3):
-        y = fn(cfg, functools.partial(glu_activation, cfg), z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
-        return jnp.sum(jnp.sin(y)), y
+
+def _moe_loss(cfg, fn, idx, z, w, w1, w2, w3):
+    y = fn(cfg, functools.partial(glu_activation, cfg), z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
+    return jnp.sum(jnp.sin(y)), y
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,first_round", [("padded", 1.25), ("emulated", 1.25), ("padded", 0.0)])
+def test_ep_dispatch_dropless_skewed(mode, first_round):
+    """Dropless under skewed routing: nothing is dropped, values and gradients equal `dense`,
+    with the default two rounds (the first sized for the expected load, the overflow round
+    taking the rest) and with one worst-case round. 'emulated' checks the offsets/sizes given
+    to ragged_all_to_all (TPU/GPU) through a CPU stand-in."""
+    cfg = load("toy", ep_exchange=mode, ep_first_round=first_round)
+    idx, args = _skewed_moe(skew=True)
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
-    (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, w, w1, w2, w3)
+    (_, y0), g0 = grad(functools.partial(_moe_loss, cfg, md.experts_dense, idx))(*args)
     mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
     with sharding.use_mesh(mesh, rules):
-        (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ep)))(z, w, w1, w2, w3)
+        (_, y), g = jax.jit(grad(functools.partial(_moe_loss, cfg, md.experts_ep, idx)))(*args)
+        _, dropped = jax.jit(lambda *a: md.experts_ep(cfg, functools.partial(glu_activation, cfg), a[0], idx, a[1],
+                                                      dict(zip(("w1", "w2", "w3"), a[2:])), {}, with_dropped=True))(*args)
+    assert int(dropped) == 0
     assert rel(y, y0) < TOL
     for a, b in zip(g, g0):
         assert rel(a, b) < TOL
+
+
+@pytest.mark.slow
+def test_dropless_estimate_is_the_capacity_steps():
+    """k3jax.aot's totals count the balanced case: the dropless two-round exchange's
+    compiled forward+backward costs within 1.3x of the capacity-1.25 one's (FLOPs and HBM
+    bytes; the overflow round is not counted), where one worst-case round costs more."""
+    from k3jax.aot import hlo
+    idx, args = _skewed_moe(skew=False)
+    grad = functools.partial(jax.grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
+    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
+    totals, texts = {}, {}
+    for name, runtime in (("two", {}), ("capacity", dict(ep_capacity_factor=1.25)),
+                          ("one", dict(ep_first_round=0.0))):
+        cfg = load("toy", ep_exchange="padded", **runtime)
+        with sharding.use_mesh(mesh, rules):
+            text = jax.jit(grad(functools.partial(_moe_loss, cfg, md.experts_ep, idx))).lower(*args).compile().as_text()
+        totals[name], texts[name] = hlo.analyse(text), text
+    # the overflow round is in the dropless program (and only there), as a conditional
+    assert re.search(r"conditional\(.*/ep_overflow/", texts["two"]) and "/ep_overflow/" not in texts["capacity"]
+    for what in ("flops", "hbm_bytes"):
+        two, cap, one = (getattr(totals[n], what) for n in ("two", "capacity", "one"))
+        assert two <= 1.3 * cap, (what, two, cap)
+        assert one > two, (what, one, two)
 
 
 @pytest.mark.slow

@@ -16,6 +16,11 @@ counts, read off the loop condition's `counter < N`), and tallies per device:
 
 `loop_corrected(...)` adds to XLA's own FLOP and byte counts what the body-once rule
 leaves out: (executions − 1 per visit) × each loop body's tallies.
+
+The totals are for balanced routing: the dropless `ep` exchange's overflow round (a
+conditional under the `ep_overflow` scope, k3jax.ops.moe_dispatch) runs only when a
+device receives more than its first round holds, so its taken branch counts 0 times and
+its skip branch once.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from k3jax.ops.moe_dispatch import OVERFLOW_SCOPE
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
           "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
@@ -226,8 +233,16 @@ def multiplicities(comps: dict, entry: str, loops: bool = True) -> tuple[dict, l
             else:
                 for c in _callees(i):
                     if c in mult:
-                        mult[c] += m
+                        mult[c] += 0 if c in _untaken(i) else m
     return mult, unknown
+
+
+def _untaken(i: Instr) -> list[str]:
+    """The branches of an `ep_overflow` conditional that do not run under balanced routing:
+    lax.cond's true branch (HLO's true_computation, or the second of branch_computations)."""
+    if i.opcode != "conditional" or f"/{OVERFLOW_SCOPE}/" not in i.attrs:
+        return []
+    return _attr_names(i.attrs, "true_computation") or _attr_names(i.attrs, "branch_computations")[1:]
 
 
 def _dims_list(attrs: str, key: str) -> list[int]:

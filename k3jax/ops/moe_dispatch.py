@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -279,67 +280,117 @@ def _ep_local(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx,
 
 
 def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx, w, *, weights, adapters):
-    """One exchange: tokens `z` [n, H] to the experts' devices and back."""
+    """One exchange: tokens `z` [n, H] to the experts' devices and back, in one or two
+    rounds (`ep_rounds`)."""
     n, k = idx.shape
-    m, H = n * k, z.shape[-1]
+    m = n * k
     P = jax.lax.axis_size("expert")
     El = _num_experts(weights)                          # experts on this device
-    R = ep_receive_rows(m, P, cfg.runtime.ep_capacity_factor)
 
-    # 1. the pairs sorted by expert, hence by destination device (expert e lives on e // El);
-    #    padding tokens carry expert id P·El: sorted last, sent nowhere (bincount drops them)
+    # the pairs sorted by expert, hence by destination device (expert e lives on e // El);
+    # padding tokens carry expert id P·El: sorted last, sent nowhere (bincount drops them)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
-    rows = z[order // k]
     dest = e_sorted // El
     counts = jnp.bincount(dest, length=P).astype(jnp.int32)
-    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
-    local_e = (e_sorted % El).astype(jnp.int32)
-
-    # 2. exchange into the [R] receive buffer: sender p's first `accepted[p]` rows land at
-    #    offset[p] (senders packed in device order); unused rows carry local expert id El
     recv_counts = jax.lax.all_to_all(counts, "expert", 0, 0, tiled=True)   # what each peer sends me
-    offset = jnp.minimum(jnp.cumsum(recv_counts) - recv_counts, R).astype(jnp.int32)
-    accepted = jnp.clip(R - offset, 0, recv_counts).astype(jnp.int32)
-    sent = jax.lax.all_to_all(accepted, "expert", 0, 0, tiled=True)       # how many of mine each kept
+    pairs = _Pairs(z[order // k], (e_sorted % El).astype(jnp.int32), dest, counts,
+                   (jnp.cumsum(counts) - counts).astype(jnp.int32), recv_counts,
+                   (jnp.cumsum(recv_counts) - recv_counts).astype(jnp.int32))
+    one_round = functools.partial(_ep_round, cfg, act, mode, hidden, weights, adapters, pairs)
+    first, overflow = ep_rounds(m, P, cfg.runtime)
+    got = one_round(0, first)
+    if overflow:
+        # Exact: the pairs past the first round's rows go in a second, taken only when some
+        # device received more. The predicate is the same on every device of the mesh, not
+        # only of the expert group: the branch's backward also reduces the weights'
+        # gradients over the token axes, and a device that skipped it would hang its peers.
+        # k3jax.aot counts the branch out of the balanced estimate by this scope's name.
+        with jax.named_scope(OVERFLOW_SCOPE):
+            every_axis = tuple(jax.sharding.get_abstract_mesh().axis_names)
+            more = jax.lax.pmax(jnp.sum(recv_counts), every_axis) > first
+            got = got + jax.lax.cond(more, lambda: one_round(first, overflow), lambda: jnp.zeros_like(got))
+    unsorted = jnp.zeros_like(got).at[order].set(got).reshape(n, k, -1)
+    y = jnp.einsum("nkd,nk->nd", unsorted.astype(jnp.float32), w, precision=HIGHEST)
+    dropped = jnp.maximum(jnp.sum(recv_counts) - first - overflow, 0).reshape(1)
+    # with the expert hidden split over `hidden`, each shard holds a partial w2 product
+    return (jax.lax.psum(y, hidden) if hidden else y), dropped
+
+
+OVERFLOW_SCOPE = "ep_overflow"
+
+
+def ep_rounds(m: int, expert_shards: int, runtime) -> tuple[int, int]:
+    """(rows of the first round's receive buffer, of the overflow round's; 0: none) for a
+    device sending m pairs. With a capacity factor c: one round of ceil(c·m) rows, the rest
+    dropped. Dropless: a first round sized for the expected load (`ep_first_round` × m, as
+    a capacity would be) and an overflow round for the worst case's remainder, run only
+    when a device received more: under balanced routing the step does the capacity step's
+    work and drops nothing. ep_first_round 0: one round sized for the worst case."""
+    if runtime.ep_capacity_factor:
+        return ep_receive_rows(m, expert_shards, runtime.ep_capacity_factor), 0
+    worst = expert_shards * m
+    first = ep_receive_rows(m, expert_shards, runtime.ep_first_round)
+    return first, worst - first
+
+
+class _Pairs(NamedTuple):
+    """One device's (token, expert) pairs sorted by destination, and what its peers send."""
+    rows: jnp.ndarray         # [m, H] the pairs' tokens
+    local_e: jnp.ndarray      # [m] each pair's expert on its destination device
+    dest: jnp.ndarray         # [m] destination device (P: padding, sent nowhere)
+    counts: jnp.ndarray       # [P] pairs I send each device
+    starts: jnp.ndarray       # [P] where each destination's block starts in my sorted pairs
+    recv_counts: jnp.ndarray  # [P] pairs each peer sends me
+    recv_pos: jnp.ndarray     # [P] where each peer's block starts in my packed receive order
+
+
+def _ep_round(cfg: ModelConfig, act, mode: str, hidden, weights, adapters, p: _Pairs, a: int, R: int):
+    """The pairs at positions [a, a + R) of each receiver's packed order (senders in device
+    order, each sender's block in its sorted order) to a receive buffer of R rows, through
+    the local experts, and back. Returns [m, H]: this round's pairs' results at their
+    sender's sorted positions, zeros elsewhere."""
+    m, H = p.rows.shape
+    P = p.counts.shape[0]
+    El = _num_experts(weights)
+    lo = jnp.clip(a - p.recv_pos, 0, p.recv_counts).astype(jnp.int32)       # sender's pairs taken before
+    accepted = jnp.clip(a + R - p.recv_pos, 0, p.recv_counts).astype(jnp.int32) - lo
+    offset = (p.recv_pos + lo - a).astype(jnp.int32)                      # where they land (>= 0)
+    sent = jax.lax.all_to_all(accepted, "expert", 0, 0, tiled=True)       # how many of mine each takes
+    skip = jax.lax.all_to_all(lo, "expert", 0, 0, tiled=True)             # ... after how many of mine
     if mode == "padded":
-        pos = jnp.arange(m) - starts[dest]
-        send = jnp.zeros((P, m, H), z.dtype).at[dest, pos].set(rows, mode="drop")
-        send_e = jnp.full((P, m), El, jnp.int32).at[dest, pos].set(local_e, mode="drop")
+        pos = jnp.arange(m) - p.starts[p.dest]
+        send = jnp.zeros((P, m, H), p.rows.dtype).at[p.dest, pos].set(p.rows, mode="drop")
+        send_e = jnp.full((P, m), El, jnp.int32).at[p.dest, pos].set(p.local_e, mode="drop")
         j = jnp.arange(m)[None, :]
-        slot = jnp.where(j < accepted[:, None], offset[:, None] + j, R).reshape(P * m)  # R: dropped
-        recv = jnp.zeros((R, H), z.dtype).at[slot].set(
+        inside = (j >= lo[:, None]) & (j < (lo + accepted)[:, None])
+        slot = jnp.where(inside, p.recv_pos[:, None] + j - a, R).reshape(P * m)  # R: not this round
+        recv = jnp.zeros((R, H), p.rows.dtype).at[slot].set(
             jax.lax.all_to_all(send, "expert", 0, 0).reshape(P * m, H), mode="drop")
         recv_e = jnp.full((R,), El, jnp.int32).at[slot].set(
             jax.lax.all_to_all(send_e, "expert", 0, 0).reshape(P * m), mode="drop")
     else:
         a2a = _ragged_a2a(mode)
         where = jax.lax.all_to_all(offset, "expert", 0, 0, tiled=True)     # my block on each receiver
-        recv = a2a(rows, jnp.zeros((R, H), z.dtype), starts, sent, where, accepted, "expert")
-        recv_e = a2a(local_e, jnp.full((R,), El, jnp.int32), starts, sent, where, accepted, "expert")
+        recv = a2a(p.rows, jnp.zeros((R, H), p.rows.dtype), p.starts + skip, sent, where, accepted, "expert")
+        recv_e = a2a(p.local_e, jnp.full((R,), El, jnp.int32), p.starts + skip, sent, where, accepted, "expert")
 
-    # 3. grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros
+    # grouped matmuls over the local experts; rows past sum(sizes) (padding) give zeros.
+    # Under balanced routing a device receives about the m pairs it sends: the kernels'
+    # declared costs count those, not the buffer's rows.
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
-    # under balanced routing a device receives about the m pairs it sends: the kernels'
-    # declared costs count those, not the dropless buffer's R = P·m rows
     out = _ffn(cfg, act, recv[order2], sizes, weights, adapters, expected_rows=min(m, R))
     out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
 
-    # 4. return the results to their senders, in the sender's sorted-pair order; a dropped
-    #    pair gets zeros
+    # the results back to their senders, at the sender's sorted-pair positions
     if mode == "padded":
         full = jnp.where((slot < R)[:, None], out[jnp.minimum(slot, R - 1)], 0).reshape(P, m, H)
-        got = jnp.where((dest < P)[:, None], jax.lax.all_to_all(full, "expert", 0, 0)[dest, pos], 0)
-    else:
-        their_starts = jax.lax.all_to_all(starts, "expert", 0, 0, tiled=True)  # where each sender wants it
-        got = _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), offset, accepted, their_starts, sent, "expert")
-    pairs = jnp.zeros_like(got).at[order].set(got).reshape(n, k, H)
-    y = jnp.einsum("nkd,nk->nd", pairs.astype(jnp.float32), w, precision=HIGHEST)
-    # with the expert hidden split over `hidden`, each shard holds a partial w2 product
-    dropped = (jnp.sum(recv_counts) - jnp.sum(accepted)).reshape(1)
-    return (jax.lax.psum(y, hidden) if hidden else y), dropped
+        return jnp.where((p.dest < P)[:, None], jax.lax.all_to_all(full, "expert", 0, 0)[p.dest, pos], 0)
+    their_starts = jax.lax.all_to_all(p.starts, "expert", 0, 0, tiled=True)  # where each sender wants it
+    return _ragged_a2a(mode)(out, jnp.zeros((m, H), out.dtype), offset, accepted, their_starts + lo, sent,
+                             "expert")
 
 
 def experts_ep(cfg: ModelConfig, act, z, idx, w, weights, adapters, *, with_dropped: bool = False):

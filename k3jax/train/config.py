@@ -29,6 +29,8 @@ start), sample_prompt, sample_tokens.
              moe_dispatch ('auto' = 'ep' on a mesh with an expert axis), ep_exchange,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
              pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
+             ep_first_round (dropless 'ep': the first round's buffer as × the mean, an exact
+             overflow round after it only when needed; 0 = one worst-case round),
              ep_buffer_mib, attention_q_block, scan_layers,
              expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
@@ -217,7 +219,7 @@ SCHEMA = {
                 "sweeps": _int(1), "exact_max_elements": _int(1)},
     "runtime": {"dtype": _one_of(*DTYPES), "param_dtype": _one_of(*DTYPES), "remat": _one_of(*REMAT_POLICIES),
                 "kda_impl": _one_of(*KDA_IMPLS), "kda_chunk_size": _int(1), "moe_dispatch": _one_of(*MOE_DISPATCHES),
-                "ep_exchange": _one_of(*EP_EXCHANGES), "ep_capacity_factor": _float(0),
+                "ep_exchange": _one_of(*EP_EXCHANGES), "ep_capacity_factor": _float(0), "ep_first_round": _float(0),
                 "ep_buffer_mib": _float(0), "attention_q_block": _int(0), "scan_layers": _bool,
                 "expert_format": _one_of(*EXPERT_FORMATS)},
     # k3jax.lora.resolve checks what needs the model (targets that match nothing, ...)
