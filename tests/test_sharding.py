@@ -251,7 +251,7 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     rows, topk_rows = set(), set()
     from k3jax.ops import experts as ops_experts
     real_gmm, real_top_k = ops_experts.grouped_matmul, jax.lax.top_k
-    monkeypatch.setattr(ops_experts, "grouped_matmul", lambda x, *a: rows.add(x.shape[0]) or real_gmm(x, *a))
+    monkeypatch.setattr(ops_experts, "grouped_matmul", lambda x, *a, **kw: rows.add(x.shape[0]) or real_gmm(x, *a, **kw))
     monkeypatch.setattr(jax.lax, "top_k", lambda x, k: topk_rows.add(x.shape[0]) or real_top_k(x, k))
 
     def f(fn, z, gate, w1, w2, w3):
