@@ -149,11 +149,13 @@ class RuntimeOptions:
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
-    # dropless 'ep' (ep_capacity_factor 0) exchanges in two rounds: the first's receive
-    # buffer holds this × the mean (the expected load), an overflow round the worst case's
-    # remainder, run only when some device received more (ops.moe_dispatch.ep_rounds);
-    # 0 = one round sized for the worst case
-    ep_first_round: float = 1.25
+    # c > 0: dropless 'ep' (ep_capacity_factor 0) exchanges in two rounds, the first's
+    # receive buffer c × the mean (the expected load), an exact overflow round for the
+    # worst case's remainder, run only when some device received more
+    # (ops.moe_dispatch.ep_rounds). 0 (default) = one round sized for the worst case: on
+    # K3 v5p-1024 two rounds estimate 33.6 s a step against 54.2 s but XLA holds both
+    # rounds' buffers, 103 GiB a device against 83 (launch/README.md)
+    ep_first_round: float = 0.0
     # 'ep' receive buffers above this many MiB per device run the tokens in chunks
     # (layers/moe.py ep_chunks); 0 = one exchange however large
     ep_buffer_mib: float = 1024.0

@@ -218,7 +218,7 @@ def test_dropless_estimate_is_the_capacity_steps():
     grad = functools.partial(jax.grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
     totals, texts = {}, {}
-    for name, runtime in (("two", {}), ("capacity", dict(ep_capacity_factor=1.25)),
+    for name, runtime in (("two", dict(ep_first_round=1.25)), ("capacity", dict(ep_capacity_factor=1.25)),
                           ("one", dict(ep_first_round=0.0))):
         cfg = load("toy", ep_exchange="padded", **runtime)
         with sharding.use_mesh(mesh, rules):
