@@ -19,7 +19,7 @@ from k3jax.aot.programs import Program
 
 # Custom calls jax.export would refuse to serialize for lack of a compatibility promise.
 # Nothing here is serialized for later; lowering is the check.
-_UNSTABLE = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("ragged_all_to_all", "triton_kernel_call")]
+_UNSTABLE = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("ragged_all_to_all", "triton_kernel_call", "__gpu$xla.gpu.triton")]
 
 
 @contextlib.contextmanager
