@@ -476,13 +476,42 @@ class Totals:
     collectives: dict = field(default_factory=dict)   # kind -> bytes sent per device per step
     loops: list = field(default_factory=list)         # (while name, trip count)
     unknown_loops: list = field(default_factory=list)
-    # top-level instruction -> (opcode, FLOPs with its fusion's, HBM bytes, collective bytes),
-    # every execution counted: what `costliest` ranks
+    # top-level instruction -> (opcode, FLOPs with its fusion's, HBM bytes, collective bytes,
+    # `scope`), every execution counted: what `costliest` and `by_scope` rank
     instructions: dict = field(default_factory=dict)
 
     @property
     def collective_bytes(self) -> float:
         return sum(self.collectives.values())
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_WRAPPED = re.compile(r"(\w+)\((.*)\)")
+# op_name components that are loop plumbing or layer indices, not the model's own scopes
+_PLUMBING = re.compile(r"while|body|cond|branch_\d+_fun|closed_call|checkpoint|remat\w*|rematted_computation|"
+                       r"layers_\d+|groups|sub_\d+|shard_map|custom_\w+|K3Model")
+
+
+def _scope_name(part: str) -> str:
+    """An op_name component without its transformations (`transpose(jvp(big))` -> 'big');
+    '' for a function's own name (`jit(f)`) and for plumbing."""
+    while m := _WRAPPED.fullmatch(part):
+        if m.group(1) in ("jit", "pjit"):
+            return ""
+        part = m.group(2)
+    return "" if _PLUMBING.fullmatch(part) else part
+
+
+def scope(attrs: str) -> str:
+    """Where an instruction comes from, read off its op_name: 'forward' (under a jvp) /
+    'backward' (under its transpose) / 'other' (e.g. the optimizer), then its first two
+    scopes (named scopes, model modules) with layers, loops and transformations left out,
+    e.g. 'backward: block_sparse_moe/ep_overflow'."""
+    m = _OP_NAME.search(attrs)
+    name = m.group(1) if m else ""
+    phase = "backward" if "transpose(" in name else "forward" if "jvp(" in name else "other"
+    parts = [n for n in map(_scope_name, name.split("/")[:-1]) if n]
+    return f"{phase}: {'/'.join(parts[:2]) or '-'}"
 
 
 def _fused_flops(comps: dict, name: str) -> float:
@@ -524,7 +553,8 @@ def analyse(text: str) -> Totals:
                 t.collectives[col[0]] = t.collectives.get(col[0], 0.0) + m * col[1]
             fused = sum(_fused_flops(comps, n) for n in _attr_names(i.attrs, "calls")) if i.opcode == "fusion" else 0.0
             if f or fused or hbm or col:
-                t.instructions[i.name] = (i.opcode, m * (f + fused), m * hbm, m * col[1] if col else 0.0)
+                t.instructions[i.name] = (i.opcode, m * (f + fused), m * hbm, m * col[1] if col else 0.0,
+                                          scope(i.attrs))
     return t
 
 

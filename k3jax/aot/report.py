@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import re
 import resource
 import time
@@ -66,7 +67,13 @@ def measure(prog: Program, log=print) -> tuple[dict, object]:
     t2 = time.perf_counter()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    totals = hlo.analyse(compiled.as_text())
+    text = compiled.as_text()
+    if os.environ.get("K3JAX_HLO_DIR"):      # keep the optimised HLO for reading offline
+        path = os.path.join(os.environ["K3JAX_HLO_DIR"], f"{prog.mode}-{prog.cfg.num_hidden_layers}-layers.hlo")
+        with open(path, "w") as f:
+            f.write(text)
+        log(f"  {prog.mode}: optimised HLO in {path}")
+    totals = hlo.analyse(text)
     flops, bytes_ = hlo.loop_corrected(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), totals)
     fig = {"memory": memory_terms(compiled),
            "xla_flops": float(cost.get("flops", 0.0)), "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
@@ -138,17 +145,37 @@ def compile_figures(k3, preset: str, devices, opt, mode: str, overrides=None, de
     return {"programs": figs, "layers_compiled": layers, "extrapolated": True}
 
 
+def _seconds(v, chip) -> float:
+    """One instruction's estimated time: the step's model applied to it alone."""
+    _, flops, hbm, col = v[:4]
+    return max(flops / chip.peak_flops, hbm / chip.hbm_bandwidth) + col / chip.ici_bandwidth
+
+
 def costliest(instructions: dict, chip, n: int = 5) -> list[dict]:
     """The `n` top-level HLO instructions with the largest estimated time (the step's model
     per instruction: max(FLOPs / peak, HBM bytes / bandwidth) + collective bytes / ICI), and
     their share of the sum: where the next bottleneck is."""
-    def seconds(v):
-        _, flops, hbm, col = v
-        return max(flops / chip.peak_flops, hbm / chip.hbm_bandwidth) + col / chip.ici_bandwidth
+    seconds = lambda v: _seconds(v, chip)  # noqa: E731
     total = sum(seconds(v) for v in instructions.values()) or 1.0
     top = sorted(instructions.items(), key=lambda kv: -seconds(kv[1]))[:n]
     return [{"instruction": name, "opcode": v[0], "share": seconds(v) / total, "flops": v[1], "hbm_bytes": v[2],
              "collective_bytes": v[3]} for name, v in top]
+
+
+def by_scope(instructions: dict, chip, n: int = 8) -> list[dict]:
+    """The instructions summed by where they come from (`hlo.scope`: forward / backward /
+    other, and the model's scopes), the `n` largest by estimated time with their share:
+    the bottleneck by part of the model when no single instruction stands out."""
+    sums: dict = {}
+    for v in instructions.values():
+        key = v[4] if len(v) > 4 else "-"
+        s = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        for j, x in enumerate((_seconds(v, chip), *v[1:4])):
+            s[j] += x
+    total = sum(s[0] for s in sums.values()) or 1.0
+    top = sorted(sums.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"scope": k, "share": s[0] / total, "flops": s[1], "hbm_bytes": s[2], "collective_bytes": s[3]}
+            for k, s in top]
 
 
 def roofline(fig: dict, chip, model_flops: float, devices: int) -> dict:
@@ -159,7 +186,8 @@ def roofline(fig: dict, chip, model_flops: float, devices: int) -> dict:
     return {"compute_s": compute, "memory_s": memory, "collective_s": collective, "estimated_step_s": step,
             "overlapped_s": max(compute, memory, collective),
             "estimated_mfu": model_flops / (devices * chip.peak_flops * step) if step else 0.0,
-            "overlap": OVERLAP, "chip": chip.name, "costliest": costliest(fig.get("instructions", {}), chip)}
+            "overlap": OVERLAP, "chip": chip.name, "costliest": costliest(fig.get("instructions", {}), chip),
+            "by_scope": by_scope(fig.get("instructions", {}), chip)}
 
 
 def oom_bytes(message: str) -> int | None:

@@ -23,7 +23,10 @@ estimate (per device; k3jax.aot.report):
   estimated_mfu = model FLOPs per step / (devices x peak FLOP/s x estimated_step_s), model
     FLOPs = 6 x activated params per trained token (a frozen base's weights 4 per value under
     LoRA), 2 x activated params per token served
-  costliest: the five top-level HLO instructions with the largest share of that estimate"""
+  costliest: the five top-level HLO instructions with the largest share of that estimate
+  by_scope: the same summed by where instructions come from (forward / backward / other,
+    the model's scopes as their op_name gives them), the eight largest
+K3JAX_HLO_DIR=DIR keeps each compiled program's optimised HLO text there, to read offline."""
 
 
 def register(sub):
@@ -229,6 +232,8 @@ def _text(o: dict) -> str:
                  f"(overlapped {1e3 * o['overlapped_s']:.1f} ms), MFU {100 * o['estimated_mfu']:.1f} %")
     lines.append(f"  ({o['overlap']})")
     lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<18} {c['instruction']}" for c in o["costliest"]]
+    lines.append("  by part of the model:")
+    lines += [f"  {100 * c['share']:5.1f} %  {c['scope']}" for c in o["by_scope"]]
     if "decode" in o:
         d = o["decode"]
         lines.append(f"decode: HBM bytes per step over all devices {g(d['hbm_bytes_all_devices']).strip()} "

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.grouped_matmul import tile_rows
+from k3jax.ops.platform import target_backend
 from pallas_kernels.mxfp4_gmm import mxfp4_gmm
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
 from pallas_kernels.grouped.manual import vary_together
@@ -153,6 +154,8 @@ def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, 
         cpu = functools.partial(pure, B=1, L=window or tile_rows(M, E))
         B = max(1, min(E, _BLOCK_BYTES // (N * 2 * half * cdt.itemsize)))
         default = functools.partial(pure, B=B, L=window or _window(M, E, B))
+    if impl == "auto" and target_backend() == "cpu":
+        return cpu(x, packed, scale, sizes)    # not traced beside the kernels: see grouped_matmul
     accel = {}
     if impl == "auto":
         accel = dict(tpu=functools.partial(fused, mode="tpu"),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
 from k3jax.config import ModelConfig, expert_role
 from k3jax.layout import attention_kind, is_scanned, stacked_axes
+from k3jax.mesh import entry_axes
+from k3jax.train import muon_dist
 
 MUON_GROUPS = ("muon", "muon_head", "muon_kv_b", "muon_expert")
 GROUPS = MUON_GROUPS + ("adamw", "adamw_nodecay", "router_bias", "frozen", "lora")
@@ -146,6 +149,41 @@ def _layers_last(v, inverse: bool = False):
     return jnp.moveaxis(v, -3, 0) if inverse else jnp.moveaxis(v, 0, -3)
 
 
+def view_deals(cfg: ModelConfig, groups, placed, kv_b_mode: str = "split") -> dict:
+    """{param path: muon_dist.Deal} for the Muon params whose block views are dealt out over
+    their mesh (`placed`: params or ShapeDtypeStructs carrying NamedShardings); the others'
+    Newton–Schulz is left to XLA. A split kv_b view's two blocks share their batch dims,
+    hence one deal."""
+    group_of = {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
+    out = {}
+    for p, x in jax.tree_util.tree_leaves_with_path(placed):
+        path, where = path_str(p), muon_dist.view_spec(getattr(x, "sharding", None))
+        group = group_of.get(path)
+        if where is None or group not in MUON_GROUPS:
+            continue
+        layout = _view_layout(cfg, group, path, x.shape, *where)
+        view = jax.eval_shape(lambda v: _to_view(cfg, group, kv_b_mode, path, v), jax.ShapeDtypeStruct(x.shape, x.dtype))
+        deal = muon_dist.plan(jax.tree.leaves(view)[0].shape, *layout) if layout is not None else None
+        if deal is not None:
+            out[path] = deal
+    return out
+
+
+def _view_layout(cfg, group, path, shape, spec, mesh):
+    """(the PartitionSpec of a param's block view, `_to_view`'s reshapes applied to the
+    param's own spec; the mesh), or None where the view splits a sharded dim unevenly."""
+    sizes = dict(mesh.shape)
+    spec = list(spec) + [None] * (len(shape) - len(spec))
+    if group in ("muon_head", "muon_kv_b"):
+        heads = _head_dim(cfg, path)[0] if group == "muon_head" else cfg.num_attention_heads
+        if heads % math.prod(sizes[a] for a in entry_axes(spec[-1])):
+            return None
+        spec = spec[:-2] + [spec[-1], spec[-2], None]                          # [.., H, in, d]
+    if _stacked(path) and len(spec) > 3:
+        spec = spec[1:-2] + [spec[0]] + spec[-2:]                              # _layers_last
+    return tuple(spec), mesh
+
+
 def _from_view(group, kv_b_mode, shape, v, stacked: bool = False):
     if stacked:
         v = _layers_last(v, inverse=True)
@@ -157,17 +195,21 @@ def _from_view(group, kv_b_mode, shape, v, stacked: bool = False):
 
 
 def per_block_muon(cfg: ModelConfig, groups, *, beta=0.95, ns_steps=5, rms=0.2, kv_b_mode="split",
-                   scaling="block", nesterov=True, mu_dtype=jnp.float32) -> optax.GradientTransformation:
+                   scaling="block", nesterov=True, mu_dtype=jnp.float32, placed=None) -> optax.GradientTransformation:
     """optax `scale_by_muon` (+ `scale_by_shape` for block scaling) run on block views.
 
     `groups`: the full group tree (from `param_groups`); the transform only ever sees the
     muon leaves (others are optax MaskedNodes under `optax.partition`), found by path.
+    `placed`: the params (arrays or ShapeDtypeStructs) whose NamedShardings say how the
+    views are laid out: on a mesh each view's blocks are orthogonalised whole, each on one
+    device (`muon_dist`); None: XLA shards Newton–Schulz as it propagates.
     """
     if kv_b_mode not in ("split", "whole"):
         raise ValueError(f"kv_b_mode must be 'split' or 'whole', got {kv_b_mode!r}")
     if scaling not in ("block", "full"):
         raise ValueError(f"muon_scaling must be 'block' or 'full', got {scaling!r}")
     group_of = {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
+    deals = view_deals(cfg, groups, placed, kv_b_mode) if placed is not None else {}
     dims = lambda tree: jax.tree.map(lambda _: _BLOCK_DIMS, tree)
     inner = _scale_by_layerwise_muon(ns_steps, beta, nesterov, mu_dtype)
     if scaling == "block":
@@ -182,8 +224,9 @@ def per_block_muon(cfg: ModelConfig, groups, *, beta=0.95, ns_steps=5, rms=0.2, 
 
     def update(updates, state, params=None):
         del params  # Muon's direction does not depend on the params; decay comes later
-        stacked = jax.tree_util.tree_map_with_path(lambda p, _: _stacked(path_str(p)), updates)
-        out, state = inner.update(views(updates), state, stacked)
+        orth = jax.tree_util.tree_map_with_path(
+            lambda p, _: _Orth(_stacked(path_str(p)), deals.get(path_str(p))), updates)
+        out, state = inner.update(views(updates), state, orth)
         treedef = jax.tree.structure(updates)
         paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)]
         shapes = [x.shape for x in jax.tree.leaves(updates)]
@@ -197,6 +240,20 @@ def per_block_muon(cfg: ModelConfig, groups, *, beta=0.95, ns_steps=5, rms=0.2, 
         return jax.tree.unflatten(treedef, leaves), state
 
     return optax.GradientTransformation(init, update)
+
+
+@dataclass(frozen=True)
+class _Orth:
+    """How one param's views are orthogonalised: whether they carry the scanned layers axis
+    (at -3), and how their blocks are dealt out over the mesh (None: left to XLA)."""
+    stacked: bool
+    deal: muon_dist.Deal | None = None
+
+    def __call__(self, x, coeffs, ns_steps: int):
+        if self.deal is None:
+            return _newton_schulz(x, coeffs, ns_steps, self.stacked)
+        one = lambda b: orthogonalize_via_newton_schulz(b, coeffs, ns_steps, "frobenius", 1e-8, _BLOCK_DIMS)  # noqa: E731
+        return muon_dist.orthogonalize(x, self.deal, one, chunks=x.shape[-3] if self.stacked else 1)
 
 
 def _newton_schulz(x, coeffs, ns_steps: int, stacked: bool):
@@ -215,11 +272,11 @@ def _newton_schulz(x, coeffs, ns_steps: int, stacked: bool):
 
 def _scale_by_layerwise_muon(ns_steps: int, beta: float, nesterov: bool, mu_dtype) -> optax.GradientTransformation:
     """optax `scale_by_muon`'s update (its state, momentum and Nesterov correction), with the
-    orthogonalisation run per scanned layer (`_newton_schulz`). `update` takes, in place of
-    params, a tree of booleans saying which views carry the layers axis."""
+    orthogonalisation run per scanned layer (`_newton_schulz`) or dealt out over the mesh
+    (`muon_dist`). `update` takes, in place of params, a tree of `_Orth` saying which."""
     base = scale_by_muon(ns_steps=ns_steps, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype)
 
-    def update(updates, state, stacked):
+    def update(updates, state, orth):
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count = optax.safe_increment(state.count)
         if nesterov:
@@ -228,8 +285,8 @@ def _scale_by_layerwise_muon(ns_steps: int, beta: float, nesterov: bool, mu_dtyp
                                   optax.tree.bias_correction(updates, beta, count))
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
-        out = jax.tree.map(lambda s, v: jax.tree.map(lambda x: _newton_schulz(x, state.ns_coeffs, ns_steps, s), v),
-                           stacked, mu_hat)
+        out = jax.tree.map(lambda o, v: jax.tree.map(lambda x: o(x, state.ns_coeffs, ns_steps), v),
+                           orth, mu_hat)
         return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
 
     return optax.GradientTransformation(base.init, update)
@@ -270,7 +327,8 @@ def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int, lora: dict | 
     wd = float(o["weight_decay"])
     muon = optax.chain(
         per_block_muon(cfg, groups, beta=float(o["muon_beta"]), ns_steps=int(o["ns_steps"]),
-                       rms=float(o["muon_rms"]), kv_b_mode=o["kv_b_mode"], scaling=o["muon_scaling"]),
+                       rms=float(o["muon_rms"]), kv_b_mode=o["kv_b_mode"], scaling=o["muon_scaling"],
+                       placed=params),
         optax.add_decayed_weights(wd),       # decoupled: decay is scaled by lr, not by the Muon step
         optax.scale_by_learning_rate(lr))
     adam = lambda decay: optax.adamw(adam_lr, b1=float(o["b1"]), b2=float(o["b2"]), eps=float(o["eps"]),
@@ -286,7 +344,7 @@ def build_optimizer(cfg: ModelConfig, params, o: dict, steps: int, lora: dict | 
             lora_groups = jax.tree.map(lambda g: "muon" if g == "lora" else g, groups)
             transforms["lora"] = optax.chain(
                 per_block_muon(cfg, lora_groups, beta=float(o["muon_beta"]), ns_steps=int(o["ns_steps"]),
-                               rms=float(o["muon_rms"])),
+                               rms=float(o["muon_rms"]), placed=params),
                 optax.add_decayed_weights(wd), optax.scale_by_learning_rate(lora_lr))
         else:
             transforms["lora"] = optax.adamw(lora_lr, b1=float(o["b1"]), b2=float(o["b2"]), eps=float(o["eps"]),

@@ -347,3 +347,27 @@ def test_costliest_instructions_hold_every_flop_once_and_rank_by_their_estimate(
     assert sum(v[1] for v in t.instructions.values()) == t.flops == 2 * 256 ** 3 + 2 * 8 ** 3
     first = report.costliest(t.instructions, chip)[0]
     assert first["flops"] == 2 * 256 ** 3 and first["share"] > 0.99
+
+
+def test_by_scope_sums_the_instructions_by_where_they_come_from():
+    """`by_scope` groups a program's instructions by their op_name's scopes, forward apart
+    from backward (the transpose), and every FLOP lands in exactly one group: the forward
+    product of a [64, 256] @ [256, 256] in scope 'big', its two backward products, a small
+    product in scope 'small'."""
+    from k3jax.aot.chips import chip_for
+    chip = dataclasses.replace(chip_for("v5p"), hbm_bandwidth=1e30, ici_bandwidth=1e30)
+
+    def loss(w, x, v):
+        with jax.named_scope("big"):
+            y = jnp.sum((x @ w) ** 2)
+        with jax.named_scope("small"):
+            return y + jnp.sum(v @ v)
+    x = [jnp.full(s, 0.5, jnp.float32) for s in ((256, 256), (64, 256), (8, 8))]
+    t = hlo.analyse(jax.jit(jax.value_and_grad(loss)).lower(*x).compile().as_text())
+    groups = {g["scope"]: g for g in report.by_scope(t.instructions, chip, n=100)}
+    assert sum(g["flops"] for g in groups.values()) == t.flops
+    assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)
+    assert groups["backward: big"]["flops"] == 2 * 64 * 256 * 256      # dW only: x is not differentiated
+    assert groups["forward: big"]["flops"] == 2 * 64 * 256 * 256
+    assert groups["forward: small"]["flops"] == 2 * 8 ** 3
+    assert not any(k.startswith("backward") and "small" in k for k in groups)

@@ -141,7 +141,8 @@ def _export(platform):
             jax.ShapeDtypeStruct((8, 4), jnp.int32, sharding=sh(("data", "expert"))))
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) ** 2)  # noqa: E731
-    with jax.set_mesh(mesh):
+    from k3jax.aot.gpu import target   # traced for the platform: "auto" picks the kernels
+    with target("tpu" if platform == "tpu" else "gpu"), jax.set_mesh(mesh):
         try:
             exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=[platform],
                                     disabled_checks=checks)(*args)

@@ -297,7 +297,8 @@ def _export(platform):
     def loss(*a):
         return jnp.sum(f(*a).astype(jnp.float32) ** 2)
 
-    with jax.set_mesh(mesh):
+    from k3jax.aot.gpu import target   # traced for the platform: "auto" picks the kernels
+    with target("tpu" if platform == "tpu" else "gpu"), jax.set_mesh(mesh):
         try:
             exp = jax.export.export(jax.jit(jax.grad(loss)), platforms=[platform], disabled_checks=checks)(*args)
         except (ImportError, NotImplementedError) as err:
