@@ -205,13 +205,14 @@ def saved_carry_values(cfg: ModelConfig) -> int:
 
 
 def ep_rows(cfg: ModelConfig, tokens: float, P: int, width: int) -> int:
-    """Rows of one 'ep' exchange's worst-case receive buffer, for the chunk
-    `ops.moe_dispatch.ep_chunks` gives."""
-    from k3jax.ops.moe_dispatch import ep_chunks, ep_receive_rows
+    """Rows of one 'ep' exchange's receive buffer (a single dropless round's is the worst
+    case; with `ep_first_round` the first round's, which the overflow windows match), for
+    the chunk `ops.moe_dispatch.ep_chunks` gives."""
+    from k3jax.ops.moe_dispatch import ep_chunks, ep_rounds
     n = max(int(math.ceil(tokens)), 1)
     k, H = cfg.num_experts_per_token, cfg.moe_hidden_size
     chunk = -(-n // ep_chunks(n, k, P, H, width, cfg))
-    return ep_receive_rows(chunk * k, P, cfg.runtime.ep_capacity_factor)
+    return ep_rounds(chunk * k, P, cfg.runtime)[0]
 
 
 def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int, train: bool = False) -> float:
@@ -220,7 +221,8 @@ def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: i
     ([rows, hidden / tp]). In training the backward of a (rematerialised) chunk holds those
     recomputed and their cotangents, twice as many; LoRA on the routed experts adds its
     deltas' outputs ([rows, hidden / tp] for w1 / w3, [rows, latent] for w2). Both were
-    read off the compiled K3 train steps' peaks (launch/README.md §3)."""
+    read off the compiled K3 train steps' peaks (docs/performance.md, "How the planner was
+    calibrated")."""
     rows = ep_rows(cfg, tokens, P, width)
     H, F = cfg.moe_hidden_size, cfg.moe_intermediate_size
     values = rows * (2 * H + 3 * F / tp) * (2 if train else 1)

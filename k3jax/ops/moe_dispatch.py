@@ -244,19 +244,19 @@ def _ragged_a2a(mode: str):
 
 def ep_chunks(n: int, k: int, expert_shards: int, hidden: int, itemsize: int, cfg: ModelConfig) -> int:
     """Chunks a device's `n` tokens go through the 'ep' exchange in, one after the other, so
-    that a chunk's receive buffer ([rows, hidden], `ep_receive_rows`) stays within
-    `RuntimeOptions.ep_buffer_mib`: dropless sizing is worst-case (every peer's pairs on
-    one device), P x the mean, and the expert FFN's intermediates scale with it."""
+    that a chunk's receive buffer ([rows, hidden]: its first round's, `ep_rounds`; the
+    overflow windows are as large) stays within `RuntimeOptions.ep_buffer_mib`: a dropless
+    single round is sized for the worst case (every peer's pairs on one device), P x the
+    mean, and the expert FFN's intermediates scale with it."""
     budget = cfg.runtime.ep_buffer_mib * (1 << 20)
-    factor = cfg.runtime.ep_capacity_factor
 
     def fits(m: int) -> bool:
-        return ep_receive_rows(m * k, expert_shards, factor) * hidden * itemsize <= budget
+        return ep_rounds(m * k, expert_shards, cfg.runtime)[0] * hidden * itemsize <= budget
 
     if not budget or fits(n):
         return 1
     # the most tokens a chunk may hold; chunks are then evened out, never above it
-    per_token = ep_receive_rows(k, expert_shards, 0.0 if not factor else factor) * hidden * itemsize
+    per_token = ep_rounds(k, expert_shards, cfg.runtime)[0] * hidden * itemsize
     m = max(1, min(n, int(budget // per_token)))
     while m > 1 and not fits(m):
         m -= 1
@@ -302,18 +302,24 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, i
     first, overflow = ep_rounds(m, P, cfg.runtime)
     got = one_round(0, first)
     if overflow:
-        # Exact: the pairs past the first round's rows go in a second, taken only when some
-        # device received more. The predicate is the same on every device of the mesh, not
-        # only of the expert group: the branch's backward also reduces the weights'
-        # gradients over the token axes, and a device that skipped it would hang its peers.
-        # k3jax.aot counts the branch out of the balanced estimate by this scope's name.
+        # Exact: the pairs past the first round's rows go in further windows of as many rows,
+        # each taken only when some device received more than the rows before it. Each is
+        # rematerialised and run in a scan, so the backward holds one window's buffers, not
+        # the worst case's. The predicate is the same on every device of the mesh, not only
+        # of the expert group: a window's backward also reduces the weights' gradients over
+        # the token axes, and a device that skipped it would hang its peers. k3jax.aot counts
+        # the windows out of the balanced estimate by this scope's name.
         with jax.named_scope(OVERFLOW_SCOPE):
             every_axis = tuple(jax.sharding.get_abstract_mesh().axis_names)
-            more = jax.lax.pmax(jnp.sum(recv_counts), every_axis) > first
-            got = got + jax.lax.cond(more, lambda: one_round(first, overflow), lambda: jnp.zeros_like(got))
+            most = jax.lax.pmax(jnp.sum(recv_counts), every_axis)
+            window = jax.checkpoint(lambda a: one_round(a, first))
+
+            def more(acc, a):
+                return acc + jax.lax.cond(most > a, window, lambda a: jnp.zeros_like(acc), a), None
+            got, _ = jax.lax.scan(more, got, first + first * jnp.arange(-(-overflow // first), dtype=jnp.int32))
     unsorted = jnp.zeros_like(got).at[order].set(got).reshape(n, k, -1)
     y = jnp.einsum("nkd,nk->nd", unsorted.astype(jnp.float32), w, precision=HIGHEST)
-    dropped = jnp.maximum(jnp.sum(recv_counts) - first - overflow, 0).reshape(1)
+    dropped = jnp.maximum(jnp.sum(recv_counts) - first - overflow, 0).reshape(1)   # 0 when dropless
     # with the expert hidden split over `hidden`, each shard holds a partial w2 product
     return (jax.lax.psum(y, hidden) if hidden else y), dropped
 
@@ -322,12 +328,13 @@ OVERFLOW_SCOPE = "ep_overflow"
 
 
 def ep_rounds(m: int, expert_shards: int, runtime) -> tuple[int, int]:
-    """(rows of the first round's receive buffer, of the overflow round's; 0: none) for a
-    device sending m pairs. With a capacity factor c: one round of ceil(c·m) rows, the rest
-    dropped. Dropless: a first round sized for the expected load (`ep_first_round` × m, as
-    a capacity would be) and an overflow round for the worst case's remainder, run only
-    when a device received more: under balanced routing the step does the capacity step's
-    work and drops nothing. ep_first_round 0: one round sized for the worst case."""
+    """(rows of the first round's receive buffer, rows past it the overflow windows cover;
+    0: none) for a device sending m pairs. With a capacity factor c: one round of ceil(c·m)
+    rows, the rest dropped. Dropless: a first round sized for the expected load
+    (`ep_first_round` × m, as a capacity would be), then windows of as many rows up to the
+    worst case, each run only when some device received more: under balanced routing the
+    step does the capacity step's work, its buffers are the capacity step's, and nothing is
+    dropped. ep_first_round 0: one round sized for the worst case."""
     if runtime.ep_capacity_factor:
         return ep_receive_rows(m, expert_shards, runtime.ep_capacity_factor), 0
     worst = expert_shards * m
