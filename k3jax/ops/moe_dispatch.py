@@ -312,10 +312,12 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, i
         with jax.named_scope(OVERFLOW_SCOPE):
             every_axis = tuple(jax.sharding.get_abstract_mesh().axis_names)
             most = jax.lax.pmax(jnp.sum(recv_counts), every_axis)
-            window = jax.checkpoint(lambda a: one_round(a, first))
+            @jax.checkpoint
+            def window(a):
+                return jax.lax.cond(most > a, lambda a: one_round(a, first), lambda a: jnp.zeros_like(got), a)
 
             def more(acc, a):
-                return acc + jax.lax.cond(most > a, window, lambda a: jnp.zeros_like(acc), a), None
+                return acc + window(a), None
             got, _ = jax.lax.scan(more, got, first + first * jnp.arange(-(-overflow // first), dtype=jnp.int32))
     unsorted = jnp.zeros_like(got).at[order].set(got).reshape(n, k, -1)
     y = jnp.einsum("nkd,nk->nd", unsorted.astype(jnp.float32), w, precision=HIGHEST)
