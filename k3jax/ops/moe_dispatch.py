@@ -303,22 +303,26 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, i
     got = one_round(0, first)
     if overflow:
         # Exact: the pairs past the first round's rows go in further windows of as many rows,
-        # each taken only when some device received more than the rows before it. Each is
-        # rematerialised and run in a scan, so the backward holds one window's buffers, not
-        # the worst case's. The predicate is the same on every device of the mesh, not only
-        # of the expert group: a window's backward also reduces the weights' gradients over
-        # the token axes, and a device that skipped it would hang its peers. k3jax.aot counts
-        # the windows out of the balanced estimate by this scope's name.
+        # each taken only when some device received more than the rows before it, all of
+        # them skipped in one test when none did (the balanced case then costs nothing
+        # more). The windows run in a scan, each rematerialised around its conditional, so
+        # the backward holds one window's buffers, not the worst case's, and no branch's
+        # residuals leave it. The predicates are the same on every device of the mesh, not
+        # only of the expert group: a window's backward also reduces the weights' gradients
+        # over the token axes, and a device that skipped it would hang its peers. k3jax.aot
+        # counts the taken branches out of the balanced estimate by this scope's name.
         with jax.named_scope(OVERFLOW_SCOPE):
             every_axis = tuple(jax.sharding.get_abstract_mesh().axis_names)
             most = jax.lax.pmax(jnp.sum(recv_counts), every_axis)
+
             @jax.checkpoint
             def window(a):
                 return jax.lax.cond(most > a, lambda a: one_round(a, first), lambda a: jnp.zeros_like(got), a)
 
-            def more(acc, a):
-                return acc + window(a), None
-            got, _ = jax.lax.scan(more, got, first + first * jnp.arange(-(-overflow // first), dtype=jnp.int32))
+            def windows(acc):
+                starts = first + first * jnp.arange(-(-overflow // first), dtype=jnp.int32)
+                return jax.lax.scan(lambda acc, a: (acc + window(a), None), acc, starts)[0]
+            got = jax.checkpoint(lambda g: jax.lax.cond(most > first, windows, lambda g: g, g))(got)
     unsorted = jnp.zeros_like(got).at[order].set(got).reshape(n, k, -1)
     y = jnp.einsum("nkd,nk->nd", unsorted.astype(jnp.float32), w, precision=HIGHEST)
     dropped = jnp.maximum(jnp.sum(recv_counts) - first - overflow, 0).reshape(1)   # 0 when dropless
