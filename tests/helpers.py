@@ -54,6 +54,34 @@ def assert_logits_match(logits, ref, rel: float = 1e-4, max_abs: float = 2e-3, m
         np.testing.assert_array_equal(logits[b].argmax(-1)[clear], ref[b].argmax(-1)[clear])
 
 
+def randomise_kimi_linear(model, seed=0):
+    """Every parameter drawn so each sublayer contributes O(1) (HF's 0.02 init makes the
+    logits nearly input-independent, which would hide wiring bugs). `model`: transformers'
+    KimiLinear, in place."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            leaf = name.rsplit(".", 2)
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 1.5 - 0.5)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) - 2.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif p.ndim == 1 or "norm" in leaf[-2]:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
 def greedy_full_forward(cfg, params, ids: list[int], n_new: int, pad_id: int) -> list[int]:
     """Greedy continuation by full forwards of one fixed-length buffer (no cache): the
     reference the cached decoder is held to (causal, so the padding after the cursor never

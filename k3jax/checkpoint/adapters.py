@@ -9,7 +9,20 @@ writes for Moonshot's modules, and the 2-D per-expert MoE LoRA layout vLLM's
 `FusedMoEWithLoRA` and SGLang's MoE LoRA read for such checkpoints (their stacked 3-D
 layout is for bases whose experts are one fused parameter). A shared A ('shared_a') is
 written into every expert's lora_A. The router biases Quantile Balancing kept updating
-(unless the run froze the router) travel as PEFT `modules_to_save` of each layer's gate.
+(unless the run froze the router) travel as PEFT `modules_to_save` of each layer's gate,
+with the gate's weight: PEFT >= 0.15 loads such a module whole.
+
+Who loads it: a K3 checkpoint has one transformers implementation, Moonshot's modules, whose
+names these are. A `kimi_linear` checkpoint loads as transformers' own KimiLinear (>= 5.17),
+which renames and fuses modules: `block_sparse_moe` -> `mlp`, `self_attn.f_{a,b}_proj` ->
+`self_attn.forget_gate.*`, per-expert w1/w3 and w2 -> one `experts.gate_up_proj` and one
+`experts.down_proj` parameter. PEFT (>= 0.20 with transformers 5.24) converts the LoRA
+tensors of the release's names onto those itself (it reads transformers' own checkpoint
+conversion), so they keep the names above; what it does not convert is the config's
+targeting and the `modules_to_save` tensors, so for that layout the config targets
+transformers' modules as well (`target_parameters` for the fused experts, whose rank is per
+expert: 2r for gate_up, the w1 and w3 adapters side by side) and the router goes under
+transformers' `mlp.gate`.
 
 Scales: each module's alpha/r is folded into its lora_B and the config says
 `lora_alpha = r`, so every consumer applies the intended product, whatever it assumes
@@ -29,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from k3jax.checkpoint.names import hf_prefixes, layer_location
-from k3jax.config import LoraSpec, ModelConfig, is_expert_target
+from k3jax.config import ConfigError, LoraSpec, ModelConfig, is_expert_target
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_NAME = "adapter_config.json"
@@ -69,30 +82,44 @@ def adapter_tensors(cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k
                 yield f"{PEFT_PREFIX}{base}.experts.{e}.{w}.lora_B.weight", np.ascontiguousarray(b[e].T)
 
 
-ROUTER_MODULE = "block_sparse_moe.gate"
 ROUTER_BIAS = ("block_sparse_moe", "e_score_correction_bias")
+ROUTER_WEIGHT = ("block_sparse_moe", "gate")
+# The gate module PEFT wraps (`modules_to_save`), named as the model that loads the adapter
+# names it (module docstring): Moonshot's modules for K3, transformers' KimiLinear otherwise.
+ROUTER_MODULES = {"k3": "block_sparse_moe.gate", "kimi_linear": "mlp.gate"}
+# transformers' KimiLinear: each routed-expert weight's fused parameter, and the modules it
+# moved (the release's name -> its own), for the config's targeting
+_FUSED_EXPERTS = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+_MOVED = {"f_a_proj": "forget_gate", "f_b_proj": "forget_gate"}
 
 
-def router_bias_tensors(cfg: ModelConfig, params, layout: str = "k3"):
-    """Yield (name, array) of the router biases a LoRA run kept updating (Quantile
-    Balancing), in PEFT's `modules_to_save` form: the gate module's tensor under its own
-    name (PEFT saves `<module>.modules_to_save.<adapter>.x` as `<module>.x` and loads it
-    back onto the module's copy). `params` is a `.paths` / `.get` reader as in
-    `adapter_tensors`, over the run's saved (non-adapter) params."""
+def router_tensors(cfg: ModelConfig, trained, gate_weight, layout: str = "k3"):
+    """Yield (name, array) of the router each MoE layer ended the run with, in PEFT's
+    `modules_to_save` form: the gate module's tensors under their own names (PEFT saves
+    `<module>.modules_to_save.<adapter>.x` as `<module>.x` and loads it back onto its copy).
+    PEFT >= 0.15 loads such a module whole, so both of its tensors go in: the bias Quantile
+    Balancing re-solved (`trained`: a `.paths` / `.get` reader, as in `adapter_tensors`, over
+    the run's saved non-adapter params) and the weight, which LoRA keeps frozen:
+    `gate_weight(layer)` gives it [experts, hidden] as the base stores it, so the copy PEFT
+    puts in is the base's own. Layers whose bias the run did not save (a frozen router) are
+    left out: the base's module is then the run's."""
     pre, _ = hf_prefixes(layout)
     for layer in range(cfg.num_hidden_layers):
         loc, idx = layer_location(cfg, layer)
-        if loc + ROUTER_BIAS in params.paths:
-            bias = np.asarray(params.get(loc + ROUTER_BIAS, idx), np.float32)
-            yield f"{PEFT_PREFIX}{pre}layers.{layer}.{ROUTER_MODULE}.e_score_correction_bias", bias
+        if loc + ROUTER_BIAS in trained.paths:
+            name = f"{PEFT_PREFIX}{pre}layers.{layer}.{ROUTER_MODULES[layout]}"
+            yield f"{name}.weight", np.ascontiguousarray(gate_weight(layer))
+            yield f"{name}.e_score_correction_bias", np.asarray(trained.get(loc + ROUTER_BIAS, idx), np.float32)
 
 
 def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model: str = "",
-                   modules_to_save: list[str] | None = None) -> dict:
+                   modules_to_save: list[str] | None = None, layout: str = "k3") -> dict:
     """PEFT's adapter_config.json for `spec` (scales folded into lora_B: lora_alpha = r)."""
     leaves = sorted({t.split("/")[-1] for t in spec.targets})
     experts = sorted(t.split("/")[-1] for t in spec.targets if is_expert_target(t))
-    alts = [rf"layers\.\d+\.{_path_regex(t)}" for t in sorted(spec.targets) if not is_expert_target(t)]
+    er = spec.rank_of("block_sparse_moe/w1")
+    moved = _MOVED if layout == "kimi_linear" else {}
+    alts = [rf"layers\.\d+\.{_path_regex(t, moved)}" for t in sorted(spec.targets) if not is_expert_target(t)]
     if experts:
         alts.append(rf"layers\.\d+\.block_sparse_moe\.experts\.\d+\.({'|'.join(experts)})")
     out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -102,38 +129,56 @@ def adapter_config(cfg: ModelConfig, spec: LoraSpec, base_model: str = "",
            # a regex over module names (PEFT full-matches a string target_modules)
            "target_modules": rf".*\.({'|'.join(alts)})",
            "k3jax": {"targets": sorted(spec.targets), "module_leaves": leaves, "rank": spec.rank,
-                     "alpha": spec.alpha, "expert_rank": spec.rank_of("block_sparse_moe/w1"),
+                     "alpha": spec.alpha, "expert_rank": er,
                      "expert_mode": spec.expert_mode, "scales_folded_into_lora_B": True}}
-    if experts and spec.rank_of("block_sparse_moe/w1") != spec.rank:
-        er = spec.rank_of("block_sparse_moe/w1")
-        pat = rf".*\.block_sparse_moe\.experts\.\d+\.({'|'.join(experts)})"
-        out["rank_pattern"], out["alpha_pattern"] = {pat: er}, {pat: er}
+    ranks = {}
+    if experts and er != spec.rank:
+        ranks[rf".*\.block_sparse_moe\.experts\.\d+\.({'|'.join(experts)})"] = er
+    if experts and layout == "kimi_linear":
+        if ("w1" in experts) != ("w3" in experts):
+            # PEFT fuses the two adapters into gate_up_proj's and cannot with one missing
+            raise ConfigError(f"LoRA targets {sorted(spec.targets)}: transformers' KimiLinear fuses w1 and w3 "
+                              "into one parameter, so its PEFT adapter needs both or neither")
+        fused = sorted({_FUSED_EXPERTS[w] for w in experts})
+        # PEFT matches a target parameter by the end of its name (no regex)
+        out["target_parameters"] = [f"mlp.experts.{p}" for p in fused]
+        for p in fused:    # per expert; w1's and w3's adapters side by side in gate_up_proj's
+            ranks[rf".*\.mlp\.experts\.{p}"] = 2 * er if p == "gate_up_proj" else er
+    if ranks:
+        out["rank_pattern"], out["alpha_pattern"] = ranks, dict(ranks)
     return out
 
 
-def _path_regex(target: str) -> str:
+def _path_regex(target: str, moved: dict) -> str:
+    """A target's module path as a regex over the loader's module names: the dense MLP and the
+    MoE block under either name they go by, and a module `moved` under its new parent
+    (optionally, so the release's name matches too)."""
     parts = target.split("/")
-    head = "(mlp|block_sparse_moe)" if parts[0] == "mlp" else re.escape(parts[0])
-    return "\\.".join([head] + [re.escape(p) for p in parts[1:]])
+    head = "(mlp|block_sparse_moe)" if parts[0] in ("mlp", "block_sparse_moe") else re.escape(parts[0])
+    tail = [re.escape(p) for p in parts[1:]]
+    if tail and parts[-1] in moved:
+        tail[-1] = rf"({re.escape(moved[parts[-1]])}\.)?{tail[-1]}"
+    return "\\.".join([head] + tail)
 
 
 def write_adapter(out_dir, cfg: ModelConfig, spec: LoraSpec, adapters, layout: str = "k3",
-                  dense_mlp_name: str = "mlp", base_model: str = "", trained=None) -> dict:
+                  dense_mlp_name: str = "mlp", base_model: str = "", trained=None, gate_weight=None) -> dict:
     """adapter_config.json + adapter_model.safetensors in `out_dir` (written atomically by
     the safetensors writer; the directory must be new). `trained` reads the run's other
-    saved params: its router biases go in as `modules_to_save`, so that base + adapter is
-    the model the run trained. Returns {'tensors', 'bytes', 'router_biases'}."""
+    saved params and `gate_weight` gives the base's router weights (`router_tensors`): the
+    router goes in as `modules_to_save`, so that base + adapter is the model the run
+    trained. Returns {'tensors', 'bytes', 'router_biases'}."""
     from k3jax.checkpoint.safetensors_io import write_safetensors
+    tensors = dict(adapter_tensors(cfg, spec, adapters, layout, dense_mlp_name))
+    router = dict(router_tensors(cfg, trained, gate_weight, layout)) if trained is not None else {}
+    config = adapter_config(cfg, spec, base_model, [ROUTER_MODULES[layout]] if router else None, layout)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=False)
-    tensors = dict(adapter_tensors(cfg, spec, adapters, layout, dense_mlp_name))
-    biases = dict(router_bias_tensors(cfg, trained, layout)) if trained is not None else {}
-    tensors.update(biases)
+    tensors.update(router)
     write_safetensors(out / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
-    config = adapter_config(cfg, spec, base_model, [ROUTER_MODULE] if biases else None)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors.values()),
-            "router_biases": len(biases)}
+            "router_biases": sum(n.endswith("_bias") for n in router)}
 
 
 def delta(spec: LoraSpec, target: str, a: np.ndarray, b: np.ndarray, expert: int | None = None) -> np.ndarray:

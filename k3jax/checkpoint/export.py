@@ -237,7 +237,7 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     k3 = src.k3
     cfg, layout = k3.text, src.layout
     # what the run is decides the export's kind: said before any format question
-    lora_run = src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
+    lora_run = _is_lora_run(src)
     if lora_run and not merge_lora:
         raise K3JaxError(f"{src.describe()} is a LoRA run: its checkpoints hold adapters, not a model; export "
                          "them with --adapter (a PEFT directory) or fold them into the base with --merge-lora")
@@ -314,6 +314,16 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
     return result
 
 
+def _is_lora_run(src) -> bool:
+    return src.kind == "run" and bool((src.train.get("lora") or {}).get("rank"))
+
+
+def _init_source(src):
+    """A LoRA run's base as a ModelSource (its init_from), None for a random init."""
+    init_from = src.train.get("init_from")
+    return resolve(init_from) if init_from else None
+
+
 def _lora_source(src) -> _Source:
     """A LoRA run's export source: its base (init_from's leaves, streamed when that is a
     k3jax checkpoint; else loaded whole) and its adapters from the run's checkpoint."""
@@ -323,10 +333,8 @@ def _lora_source(src) -> _Source:
     cfg = src.k3.text
     spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
     adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
-    init_from = src.train.get("init_from")
-    base_src = resolve(init_from) if init_from else None
-    if base_src is not None and base_src.kind in ("orbax", "run") and not (
-            base_src.kind == "run" and (base_src.train.get("lora") or {}).get("rank")):
+    base_src = _init_source(src)
+    if base_src is not None and base_src.kind in ("orbax", "run") and not _is_lora_run(base_src):
         base = _Leaves(base_src.item_dir, base_src.prefix)
     else:   # an HF directory or a random init: the base in memory (small models)
         _, params = load_model_dir(src.path, {"param_dtype": "float32"})
@@ -334,6 +342,51 @@ def _lora_source(src) -> _Source:
     # router biases come from the run: Quantile Balancing re-solved them while training
     biases = _Leaves(src.item_dir, src.prefix)
     return _Source(_WithRun(base, biases), adapters, spec, cfg)
+
+
+class _RouterWeights:
+    """layer -> the router weight [experts, hidden] of a LoRA run's model as its base stores
+    it (the checkpoint's layout and dtype): LoRA keeps the gate frozen, so it is the base's
+    (the run's own, were it ever saved). One tensor a layer is read: by name from an HF base,
+    a leaf slice from a k3jax one; a random-init base is regenerated whole (small models),
+    on the first call only (a run that froze its router asks for none)."""
+
+    def __init__(self, src):
+        self.src, self.cfg = src, src.k3.text
+        self.run = _Leaves(src.item_dir, src.prefix)
+        self.ckpt = self.base = None
+
+    def _open(self):
+        from k3jax.checkpoint.adapters import ROUTER_WEIGHT
+        base_src = _init_source(self.src)
+        if base_src is not None and base_src.kind == "hf":
+            from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
+            self.ckpt = ShardedCheckpoint(base_src.path)
+            self.names = {(e.path, e.index): e.hf for e in tensor_map(self.cfg, base_src.layout)
+                          if e.path[-len(ROUTER_WEIGHT):] == ROUTER_WEIGHT}
+        elif base_src is not None and not _is_lora_run(base_src):
+            self.base = _Leaves(base_src.item_dir, base_src.prefix)
+        else:   # a random init (or a LoRA run's base): the params as the run loads them
+            from k3jax.checkpoint.load import load_model_dir
+            _, params = load_model_dir(self.src.path)
+            self.base = _Tree({k: v for k, v in params.items() if k != "lora"})
+
+    def __call__(self, layer: int) -> np.ndarray:
+        from k3jax.checkpoint.adapters import ROUTER_WEIGHT
+        from k3jax.checkpoint.names import layer_location
+        loc, idx = layer_location(self.cfg, layer)
+        path = loc + ROUTER_WEIGHT
+        if path in self.run.paths:
+            return np.ascontiguousarray(self.run.get(path, idx).T)     # tree [in, out] -> [out, in]
+        if self.ckpt is None and self.base is None:
+            self._open()
+        if self.ckpt is not None:
+            return self.ckpt.get(self.names[(path, idx)])
+        return np.ascontiguousarray(self.base.get(path, idx).T)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
 
 
 class _WithRun:
@@ -373,7 +426,7 @@ def export_adapter(run_dir, out_dir, log=None) -> dict:
 
     out_dir = local_path(out_dir, "output")
     src = resolve(run_dir)
-    if src.kind != "run" or not (src.train.get("lora") or {}).get("rank"):
+    if not _is_lora_run(src):
         raise K3JaxError(f"{src.describe()}: --adapter exports a LoRA run's adapters (a run with lora.rank > 0)")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; refusing to overwrite it")
@@ -381,14 +434,17 @@ def export_adapter(run_dir, out_dir, log=None) -> dict:
     spec = lora.resolve(src.train["lora"], cfg, abstract_params(cfg))
     adapters = _Leaves(src.item_dir, tuple(src.prefix) + ("lora",))
     trained = _Leaves(src.item_dir, tuple(src.prefix))   # the router biases, when saved
+    gates = _RouterWeights(src)
     remove_stale_temps(out_dir, log)
     tmp = temp_sibling(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         r = write_adapter(tmp, cfg, spec, adapters, src.layout, src.dense_mlp_name,
-                          base_model=str(src.train.get("init_from") or ""), trained=trained)
+                          base_model=str(src.train.get("init_from") or ""), trained=trained, gate_weight=gates)
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        gates.close()
     return {**r, "source": src.describe(), "rank": spec.rank, "targets": sorted(spec.targets)}

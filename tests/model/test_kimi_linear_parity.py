@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import assert_logits_match
+from helpers import assert_logits_match, randomise_kimi_linear
 
 torch = pytest.importorskip("torch", reason="parity extra absent: torch is not installed")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the KDA kernels fall back to pure torch; never fetch
@@ -27,31 +27,6 @@ LINEAR_ATTN = {"kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4, 7], "head_
 # Keys transformers' KimiLinearConfig serialises on top of the released Kimi-Linear schema.
 # Each restates another key (or a fixed default of the released model); the test checks
 # that it agrees and drops it, so the file k3jax reads has the released keys only.
-def _randomise(model, seed=0):
-    """Every parameter drawn so each sublayer contributes O(1) (HF's 0.02 init makes the
-    logits nearly input-independent, which would hide wiring bugs)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if not p.is_floating_point():
-                continue
-            leaf = name.rsplit(".", 2)
-            if name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=g) * 1.5 - 0.5)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) - 2.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "conv1d" in name:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-            elif p.ndim == 1 or "norm" in leaf[-2]:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     torch.manual_seed(0)
@@ -63,7 +38,7 @@ def saved(tmp_path_factory):
         max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         hidden_act="silu")
     model = transformers.KimiLinearForCausalLM(cfg).float().eval()
-    _randomise(model)
+    randomise_kimi_linear(model)
     d = tmp_path_factory.mktemp("kimi_linear") / "hf"
     model.save_pretrained(d)  # its config.json is read as written, transformers' extra keys included
     tokens = np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 70)).astype(np.int32)

@@ -100,13 +100,19 @@ def test_adapter_export_is_the_run_in_peft_form(fixture_b_run, fixture_b_adapter
     cfg, tensors = _peft(fixture_b_adapter)
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 4
     assert cfg["rank_pattern"] and set(cfg["rank_pattern"].values()) == {2}
-    names = ShardedCheckpoint(base).keys()
+    ckpt = ShardedCheckpoint(base)
+    names = ckpt.keys()
     import re
-    biases = [n for n in tensors if ".lora_" not in n]
-    assert cfg["modules_to_save"] == ["block_sparse_moe.gate"] and biases     # QB moved them
-    for name in biases:
-        assert name[len(PEFT_PREFIX):] in names and name.endswith(".gate.e_score_correction_bias"), name
-    for name in set(tensors) - set(biases):   # every adapter sits on a module of the release, experts per expert
+    router = [n for n in tensors if ".lora_" not in n]
+    assert cfg["modules_to_save"] == ["block_sparse_moe.gate"] and router     # QB moved the biases
+    for name in router:     # PEFT loads the gate module whole: its bias, and its frozen weight as the base stores it
+        assert name[len(PEFT_PREFIX):] in names and name.endswith((".gate.e_score_correction_bias", ".gate.weight"))
+        if name.endswith(".weight"):
+            want = ckpt.get(name[len(PEFT_PREFIX):])
+            assert tensors[name].dtype == want.dtype and np.array_equal(tensors[name], want), name
+            assert name.replace(".weight", ".e_score_correction_bias") in router, name
+    assert sum(n.endswith(".weight") for n in router) == len(router) // 2
+    for name in set(tensors) - set(router):   # every adapter sits on a module of the release, experts per expert
         mod = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0]
         assert f"{mod}.weight" in names or f"{mod}.weight_packed" in names, name
         assert re.fullmatch(cfg["target_modules"], mod), mod
@@ -168,7 +174,7 @@ def test_merged_export_is_requantized_merge_and_loads_back(fixture_b_run, fixtur
             np.testing.assert_array_equal(ckpt.get(f"{mod}.weight_scale"), scale, err_msg=mod)
             stored[mod] = dequantize_mxfp4_np(packed, scale, np.float64)
             err2, val2 = err2 + np.sum((stored[mod] - w) ** 2), val2 + np.sum(w ** 2)
-        elif mod.endswith(".e_score_correction_bias"):      # fp32 in the release: exact
+        elif mod.endswith((".e_score_correction_bias", ".gate.weight")):  # the router, as the adapter holds it: exact
             np.testing.assert_array_equal(ckpt.get(mod).astype(np.float64), w, err_msg=mod)
             stored[mod] = w
         else:                       # bf16, within one rounding of the exact merge
