@@ -154,7 +154,7 @@ class RuntimeOptions:
     # worst case's remainder, run only when some device received more
     # (ops.moe_dispatch.ep_rounds). 0 (default) = one round sized for the worst case: on
     # K3 v5p-1024 two rounds estimate 33.6 s a step against 54.2 s but XLA holds both
-    # rounds' buffers, 103 GiB a device against 83 (launch/README.md)
+    # rounds' buffers, 103 GiB a device against 83 (docs/performance.md)
     ep_first_round: float = 0.0
     # 'ep' receive buffers above this many MiB per device run the tokens in chunks
     # (layers/moe.py ep_chunks); 0 = one exchange however large

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The numbers in README.md and launch/README.md, regenerated from the code that computes them.
+"""The numbers in README.md, launch/README.md and docs/performance.md, regenerated from the code
+that computes them.
 
     python scripts/docs_tables.py           # rewrite every generated block in place
     python scripts/docs_tables.py --check   # exit 1 and name the blocks that are out of date
@@ -143,6 +144,22 @@ def ep_buffer() -> str:
             f"`--ep-capacity 1.25` plans {_g(cap['detail']['activations']['moe_buffer'])} GiB.")
 
 
+def h200_full() -> str:
+    """Full fine-tuning of K3 on `h200x256` (docs/performance.md): the planner's totals."""
+    base = ("plan", "configs/k3_sft.yaml", "--mesh", "h200x256", "--optimizer", "muon", "--batch", "256")
+    cases = [("4096 tokens", _json(*base, "--seq", "4096")),
+             ("4096 tokens with `--ep-capacity 1.25`", _json(*base, "--seq", "4096", "--ep-capacity", "1.25")),
+             ("1024 tokens with capacity 1.25", _json(*base, "--seq", "1024", "--ep-capacity", "1.25"))]
+    fit = [name for name, p in cases if p["fits"]]
+    verdict = f"{' and '.join(fit)} fit{'s' if len(fit) == 1 else ''}" if fit else "none of them fits"
+    full = cases[0][1]
+    return ("The planner gives, per GPU, "
+            + ", ".join(f"{_g(p['bytes_per_device']['total'])} GiB at {name}" for name, p in cases)
+            + f" (`... --seq 1024 --ep-capacity 1.25`), against the H200's {full['hbm_bytes'] / GIB:.0f}: "
+            f"{verdict}. Of the 4096-token total, {_g(full['detail']['activations']['gathered_layer'])} GiB "
+            "is the layer ZeRO-3 gathers.")
+
+
 def preset_table() -> str:
     import yaml
 
@@ -216,7 +233,8 @@ def blocks() -> dict[str, dict[str, str]]:
     rows = [(r, plan_row(*r)) for r in PLAN_ROWS]
     return {"README.md": {"params": param_table(), "plan-summary": plan_summary(rows), "lora-plan": lora_table()},
             "launch/README.md": {"presets": preset_table(), "ep-buffer": ep_buffer(),
-                                 "plan-k3": plan_table(rows), "plan-summary": plan_summary(rows)}}
+                                 "plan-summary": plan_summary(rows)},
+            "docs/performance.md": {"plan-k3": plan_table(rows), "h200-full": h200_full()}}
 
 
 def _pattern(name: str):

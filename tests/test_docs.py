@@ -1,6 +1,6 @@
-"""The numbers in README.md and launch/README.md are what the code computes now: every
-generated block equals what scripts/docs_tables.py makes from `k3jax plan` / `k3jax params`
-and the mesh presets."""
+"""The numbers in README.md, launch/README.md and docs/performance.md are what the code
+computes now: every generated block equals what scripts/docs_tables.py makes from
+`k3jax plan` / `k3jax params` and the mesh presets."""
 import pytest
 import importlib.util
 import os

@@ -91,10 +91,10 @@ def apply_updates(cache: Cache, updates: dict, n_new) -> Cache:
 def _write_one_token(old, new, lengths, n_new):
     """A decode step's latents [.., B, 1, E] written at lengths[b], one in-place update per
     row. The scatter form compiled for TPU re-laid the whole cache out and back around the
-    scatter: K3 at 32 sequences copied its 6.6 GB per chip four times a step (launch/README
-    §3). A full row (lengths[b] = S) or no new token (n_new[b] = 0) writes back what is
-    there. A Python loop, not a fori_loop: the loop form compiled to 1.75 GiB more
-    temporaries per chip for the same step (K3, 32 sequences, v5p-256-decode)."""
+    scatter: K3 at 32 sequences copied its 6.6 GB per chip four times a step
+    (docs/performance.md, decode). A full row (lengths[b] = S) or no new token (n_new[b] = 0)
+    writes back what is there. A Python loop, not a fori_loop: the loop form compiled to
+    1.75 GiB more temporaries per chip for the same step (K3, 32 sequences, v5p-256-decode)."""
     S = old.shape[-2]
     lead = old.ndim - 3                                   # 1 for the scanned groups' stacks
     for b in range(lengths.shape[0]):

@@ -48,7 +48,7 @@ def _rows(x, ids):
     from it, reading every expert (more bytes than `ep`), and in scanned layers it
     first copied the layer's whole slice. A dynamic slice of the leading axis keeps the
     stack's layout and fuses with the layer's slice: only the chosen experts are read
-    (`k3jax compile --mode decode`: launch/README.md)."""
+    (`k3jax compile --mode decode`: docs/performance.md)."""
     if ids.shape[0] > _SLICED_MAX:
         return x[ids]
     return jnp.stack([jax.lax.dynamic_index_in_dim(x, ids[j], 0, keepdims=False) for j in range(ids.shape[0])])
