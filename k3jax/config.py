@@ -149,12 +149,12 @@ class RuntimeOptions:
     # 'ep' receive buffers: 0 = dropless (sized for the worst case, expert-axis × the mean);
     # c > 0 = at most ceil(c · tokens · k) pairs per device and layer, the rest dropped
     ep_capacity_factor: float = 0.0
-    # c > 0: dropless 'ep' (ep_capacity_factor 0) exchanges in two rounds, the first's
-    # receive buffer c × the mean (the expected load), an exact overflow round for the
-    # worst case's remainder, run only when some device received more
-    # (ops.moe_dispatch.ep_rounds). 0 (default) = one round sized for the worst case: on
-    # K3 v5p-1024 two rounds estimate 33.6 s a step against 54.2 s but XLA holds both
-    # rounds' buffers, 103 GiB a device against 83 (docs/performance.md)
+    # c > 0: dropless 'ep' (ep_capacity_factor 0) exchanges a first round whose receive
+    # buffer is c x the mean (the expected load), then overflow windows as large, each run
+    # only when some device received more (ops.moe_dispatch.ep_rounds): exact, and under
+    # balanced routing the capacity step's work and buffers. 0 (default) = one round sized
+    # for the worst case. The v5p-1024-cp4 preset sets 1.25: K3's step 51.4 s -> 10.6 s
+    # (docs/performance.md)
     ep_first_round: float = 0.0
     # 'ep' receive buffers above this many MiB per device run the tokens in chunks
     # (layers/moe.py ep_chunks); 0 = one exchange however large

@@ -205,14 +205,18 @@ def saved_carry_values(cfg: ModelConfig) -> int:
 
 
 def ep_rows(cfg: ModelConfig, tokens: float, P: int, width: int) -> int:
-    """Rows of one 'ep' exchange's receive buffer (a single dropless round's is the worst
-    case; with `ep_first_round` the first round's, which the overflow windows match), for
-    the chunk `ops.moe_dispatch.ep_chunks` gives."""
-    from k3jax.ops.moe_dispatch import ep_chunks, ep_rounds
+    """Rows of one 'ep' exchange's worst-case receive buffer, for the chunk
+    `ops.moe_dispatch.ep_chunks` gives a single round. Dropless with a first round and
+    overflow windows (`ep_first_round`) is planned the same: its buffers are the first
+    round's, but XLA's allocation for K3's compiled step was as large as one worst-case
+    round's (84.3 against 83.2 GiB a device, docs/performance.md), not the capacity step's
+    (74.2)."""
+    from k3jax.ops.moe_dispatch import ep_chunks, ep_receive_rows
+    cfg = cfg.replace(runtime=dataclasses.replace(cfg.runtime, ep_first_round=0.0))
     n = max(int(math.ceil(tokens)), 1)
     k, H = cfg.num_experts_per_token, cfg.moe_hidden_size
     chunk = -(-n // ep_chunks(n, k, P, H, width, cfg))
-    return ep_rounds(chunk * k, P, cfg.runtime)[0]
+    return ep_receive_rows(chunk * k, P, cfg.runtime.ep_capacity_factor)
 
 
 def moe_buffer_values(cfg: ModelConfig, tokens: float, P: int, tp: int, width: int, train: bool = False) -> float:

@@ -29,8 +29,8 @@ start), sample_prompt, sample_tokens.
              moe_dispatch ('auto' = 'ep' on a mesh with an expert axis), ep_exchange,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
              pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
-             ep_first_round (dropless 'ep': the first round's buffer as × the mean, an exact
-             overflow round after it only when needed; 0 = one worst-case round),
+             ep_first_round (dropless 'ep': the first round's buffer as × the mean, exact
+             overflow windows after it only when needed; 0 = one worst-case round),
              ep_buffer_mib, attention_q_block, scan_layers,
              expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
