@@ -339,8 +339,8 @@ def ep_rounds(m: int, expert_shards: int, runtime) -> tuple[int, int]:
     rows, the rest dropped. Dropless: a first round sized for the expected load
     (`ep_first_round` × m, as a capacity would be), then windows of as many rows up to the
     worst case, each run only when some device received more: under balanced routing the
-    step does the capacity step's work, its buffers are the capacity step's, and nothing is
-    dropped. ep_first_round 0: one round sized for the worst case."""
+    step does the capacity step's work and nothing is dropped (XLA still allocates about a
+    worst-case round's memory for it: docs/performance.md). ep_first_round 0: one round sized for the worst case."""
     if runtime.ep_capacity_factor:
         return ep_receive_rows(m, expert_shards, runtime.ep_capacity_factor), 0
     worst = expert_shards * m

@@ -252,8 +252,13 @@ class _Orth:
     def __call__(self, x, coeffs, ns_steps: int):
         if self.deal is None:
             return _newton_schulz(x, coeffs, ns_steps, self.stacked)
-        one = lambda b: orthogonalize_via_newton_schulz(b, coeffs, ns_steps, "frobenius", 1e-8, _BLOCK_DIMS)  # noqa: E731
-        return muon_dist.orthogonalize(x, self.deal, one, chunks=x.shape[-3] if self.stacked else 1)
+        return muon_dist.orthogonalize(x, self.deal, _ns_block(coeffs, ns_steps),
+                                       chunks=x.shape[-3] if self.stacked else 1)
+
+
+def _ns_block(coeffs, ns_steps: int):
+    """Newton–Schulz of the [in, out] blocks in a view's last two axes."""
+    return lambda b: orthogonalize_via_newton_schulz(b, coeffs, ns_steps, "frobenius", 1e-8, _BLOCK_DIMS)
 
 
 def _newton_schulz(x, coeffs, ns_steps: int, stacked: bool):
@@ -264,7 +269,7 @@ def _newton_schulz(x, coeffs, ns_steps: int, stacked: bool):
     3072] Gram matrices for 14 local experts × 22 layers are 10.8 GiB per device, and K3 has
     12 such leaves. A `lax.map` over the scanned layers axis (at -3 in a stacked view)
     holds one layer's; the math is the same block by block."""
-    ns = lambda b: orthogonalize_via_newton_schulz(b, coeffs, ns_steps, "frobenius", 1e-8, _BLOCK_DIMS)
+    ns = _ns_block(coeffs, ns_steps)
     if not stacked or x.ndim < 3:
         return ns(x)
     return jnp.moveaxis(jax.lax.map(ns, jnp.moveaxis(x, -3, 0)), 0, -3)

@@ -34,7 +34,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from k3jax.mesh import entry_axes
 
 
-
 @dataclass(frozen=True)
 class Deal:
     """How one view's blocks are dealt out: its PartitionSpec (one entry per dim), the mesh,
