@@ -4,7 +4,7 @@ K3's expert weights, w1/w3 [3072, 3584] and w2 [3584, 3072] in checkpoint orient
 for one device's experts. Prints compile time and XLA's temporaries per chip.
 
     TPU-PYTHON benchmarks/mxfp4_gmm_tpu_compile.py [--topology v4:2x2x1 v5e:2x2 ...]
-        [--experts 8] [--rows-per-expert 512] [--dtypes bfloat16 float32]
+        [--experts 8] [--rows-per-expert 512] [--dtypes bfloat16 float32] [--qat-rank 16]
 
 TPU-PYTHON as for benchmarks/kda_tpu_compile.py (a Python with `jax[tpu]` at this
 environment's JAX version, the repository on PYTHONPATH, TPU_ACCELERATOR_TYPE and
@@ -34,11 +34,14 @@ WEIGHTS = {"w1/w3": (3072, 3584), "w2": (3584, 3072)}
 
 
 def programs():
-    def fwd(x, packed, scale, sizes):
-        return mxfp4_grouped_matmul(x, packed, scale, sizes, impl="pallas")
+    """Programs over (x, packed, scale, sizes[, A, B]): with A and B the quantization-aware
+    kernels (each tile merged with s·(A B)ᵀ and re-quantized: k3jax.ops.qat)."""
+    def fwd(x, packed, scale, sizes, *ad):
+        merge = (*ad, 2.0) if ad else None
+        return mxfp4_grouped_matmul(x, packed, scale, sizes, impl="pallas", merge=merge)
 
-    def loss(x, packed, scale, sizes):
-        return jnp.sum(fwd(x, packed, scale, sizes).astype(jnp.float32) ** 2)  # needs y: both kernels run
+    def loss(x, packed, scale, sizes, *ad):
+        return jnp.sum(fwd(x, packed, scale, sizes, *ad).astype(jnp.float32) ** 2)  # needs y: both kernels run
 
     return {"forward": fwd, "forward+dx": jax.grad(loss)}
 
@@ -49,6 +52,8 @@ def main():
     ap.add_argument("--experts", type=int, default=8, help="experts on the device")
     ap.add_argument("--rows-per-expert", type=int, default=512)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--qat-rank", type=int, default=0,
+                    help="> 0: the quantization-aware kernels, with LoRA adapters of this rank")
     args = ap.parse_args()
     E, M = args.experts, args.experts * args.rows_per_expert
     failed = []
@@ -64,6 +69,9 @@ def main():
             for dtype in args.dtypes:
                 inputs = (sds((M, K), jnp.dtype(dtype)), sds((E, N, K // 2), jnp.uint8),
                           sds((E, N, K // 32), jnp.uint8), sds((E,), jnp.int32))
+                if args.qat_rank:
+                    r = args.qat_rank
+                    inputs += (sds((E, K, r), jnp.dtype(dtype)), sds((E, r, N), jnp.dtype(dtype)))
                 for what, fn in programs().items():
                     label = f"{name:10s} {wname:6s} [{N}, {K}] {dtype:9s} {what:11s}"
                     t0 = time.perf_counter()

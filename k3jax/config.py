@@ -169,6 +169,10 @@ class RuntimeOptions:
     # frozen, as integers have no gradient)
     expert_format: str = "bf16"
     lora: LoraSpec | None = None      # low-rank adapters (k3jax.lora); None = off
+    # quantization-aware fine-tuning (the train config's top-level `qat:`): the forward sees
+    # every weight as the export stores it (routed experts MXFP4 of W + s·A·B, the rest
+    # bf16), gradients straight through (k3jax.ops.qat, k3jax.train.qat)
+    qat: bool = False
 
     def __post_init__(self):
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
@@ -184,6 +188,7 @@ class RuntimeOptions:
         _check(self.remat in REMAT_POLICIES, "remat", self.remat, f"expected one of {REMAT_POLICIES}")
         _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
                f"expected one of {EXPERT_FORMATS}")
+        _check(isinstance(self.qat, bool), "qat", self.qat, "expected true or false")
         _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
                "expected a LoraSpec (resolve a train config's lora: section with k3jax.lora)")
         for key in ("dtype", "param_dtype"):

@@ -7,6 +7,7 @@ from flax import linen as nn
 
 from k3jax.config import ModelConfig
 from k3jax.layout import layer_subpath
+from k3jax.ops.qat import merged_bf16
 
 # Contractions feeding a softmax or a top-k selection (AttnRes scores, router logits) run
 # at full fp32 precision: at TPU default precision they lose ~3 significant digits.
@@ -78,8 +79,21 @@ class Dense(nn.Module):
             self.make_rng("lora"), (x.shape[-1], r), param_dtype(cfg))).value
         b = self.variable("lora", "lora_b", lambda: lora_b_init((None, self.axes[1]))(
             self.make_rng("lora"), (r, self.features), param_dtype(cfg))).value
+        if cfg.runtime.qat:
+            return self._qat(xc, kernel, a, b, lora.scale_of(target))
         low = jnp.dot(xc, a.astype(dt), precision=self.precision)
         return y + lora.scale_of(target) * jnp.dot(low, b.astype(dt), precision=self.precision)
+
+    def _qat(self, xc, kernel, a, b, scale):
+        """x @ bf16(W + scale·A·B), the weight the release stores, merged one rank at a time
+        in fp32 as the exporter merges it; A and B get the low-rank path's gradient
+        (straight through the rounding) from a term that is zero in value, x the exact one."""
+        w = jax.lax.stop_gradient(merged_bf16(kernel, a, b, scale)).astype(xc.dtype)
+        y = jax.lax.dot_general(xc, w, (((xc.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        x0 = jax.lax.stop_gradient(xc)
+        t = scale * jnp.dot(jnp.dot(x0, a.astype(xc.dtype), precision=self.precision), b.astype(xc.dtype),
+                            precision=self.precision)
+        return y + (t - jax.lax.stop_gradient(t))
 
 
 def dense(cfg: ModelConfig, features: int, axes: tuple[str, str], name: str, precision=None) -> Dense:
@@ -96,6 +110,8 @@ def merged_kernel(cfg: ModelConfig, module: nn.Module, name: str):
     if lora is None or target not in lora.targets:
         return kernel
     ad = module.variables["lora"][name]
+    if cfg.runtime.qat:   # the released weight, as the forward's projections see it
+        return merged_bf16(kernel, nn.unbox(ad["lora_a"]), nn.unbox(ad["lora_b"]), lora.scale_of(target))
     a, b = nn.unbox(ad["lora_a"]).astype(jnp.float32), nn.unbox(ad["lora_b"]).astype(jnp.float32)
     return (kernel.astype(jnp.float32) + lora.scale_of(target) * (a @ b)).astype(kernel.dtype)
 

@@ -91,7 +91,9 @@ class StableLatentMoE(nn.Module):
         cfg = self.cfg
         init = matrix_init(axes)
         if cfg.runtime.expert_format == "bf16":
-            return self.param(role, init, shape, param_dtype(cfg)).astype(compute_dtype(cfg))
+            w = self.param(role, init, shape, param_dtype(cfg))
+            # QAT quantizes the stored (master) values, as the export does, not a cast of them
+            return w if cfg.runtime.qat else w.astype(compute_dtype(cfg))
         E, n_in, n_out = shape
         if n_in % GROUP_SIZE:
             raise ConfigError(f"expert_format 'mxfp4': {role}'s input width {n_in} is not a multiple of "

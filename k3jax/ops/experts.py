@@ -19,9 +19,18 @@ from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
 _HI = jax.lax.Precision.HIGHEST
 
 
-def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None):
+def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None, qat: bool = False):
     """rows [M, in] sorted by expert, group sizes [E] -> [M, out] (rows past Σ sizes are 0).
-    expected_rows: rows doing real work under balanced routing (the kernels' declared costs)."""
+    expected_rows: rows doing real work under balanced routing (the kernels' declared costs).
+    qat: each expert's weight is mxfp4(W + scale·A·B), as the export stores it (ops.qat)."""
+    if qat:
+        from k3jax.ops.qat import expert_matmul_qat
+        return expert_matmul_qat(rows, w, sizes, adapter, scale, expected_rows)
+    return plain_expert_matmul(rows, w, sizes, adapter, scale, expected_rows)
+
+
+def plain_expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None):
+    """`expert_matmul` without QAT: the base product plus the low-rank path."""
     if isinstance(w, MXFP4):
         from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
         y = mxfp4_grouped_matmul(rows, w.packed, w.scale, sizes, expected_rows=expected_rows)
@@ -29,6 +38,11 @@ def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_row
         y = grouped_matmul(rows, w, sizes, expected_rows=expected_rows)
     if adapter is None:
         return y
+    return y + lowrank_product(rows, adapter, sizes, scale, expected_rows).astype(y.dtype)
+
+
+def lowrank_product(rows, adapter, sizes, scale: float, expected_rows=None):
+    """scale · (rows A_e) B_e for each row's expert e, in rows' dtype."""
     a, b = adapter
     dt = rows.dtype
     if a.ndim == 2:   # one A for every expert
@@ -36,7 +50,7 @@ def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_row
     else:
         low = grouped_matmul(rows, a.astype(dt), sizes, expected_rows=expected_rows)
     up = grouped_matmul(low, b.astype(dt), sizes, expected_rows=expected_rows)
-    return y + (scale * up).astype(y.dtype)
+    return (scale * up).astype(dt)
 
 
 def dense_weight(w, dtype):

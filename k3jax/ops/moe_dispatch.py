@@ -82,10 +82,16 @@ def _scale(cfg: ModelConfig, role: str) -> float:
 
 def experts_dense(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     """Every expert on every token, combined with a [N, E] weight matrix (zero off top-k).
-    MXFP4 stacks are widened whole here: this is the small-config oracle."""
-    ws = {r: dense_weight(weights[r], z.dtype) for r in ROLES}
-    for r, ad in adapters.items():
-        ws[r] = ws[r] + dense_adapter_delta(ad, _scale(cfg, r), z.dtype)
+    MXFP4 stacks are widened whole here: this is the small-config oracle (under QAT every
+    expert as mxfp4(W + s·A·B), k3jax.ops.qat)."""
+    if cfg.runtime.qat:
+        from k3jax.ops.qat import dense_stack
+        ws = {r: dense_stack(weights[r], adapters.get(r), _scale(cfg, r) if r in adapters else 0.0, z.dtype)
+              for r in ROLES}
+    else:
+        ws = {r: dense_weight(weights[r], z.dtype) for r in ROLES}
+        for r, ad in adapters.items():
+            ws[r] = ws[r] + dense_adapter_delta(ad, _scale(cfg, r), z.dtype)
     comb = jnp.sum(jax.nn.one_hot(idx, ws["w1"].shape[0], dtype=jnp.float32) * w[..., None], axis=1)
     g = jnp.einsum("nd,edf->nef", z, ws["w1"])
     u = jnp.einsum("nd,edf->nef", z, ws["w3"])
@@ -96,7 +102,7 @@ def experts_dense(cfg: ModelConfig, act, z, idx, w, weights, adapters):
 def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters, expected_rows=None):
     """The expert FFN on rows sorted by expert (expected_rows: see expert_matmul)."""
     mm = lambda x, r: expert_matmul(x, weights[r], sizes, adapters.get(r),  # noqa: E731
-                                    _scale(cfg, r) if r in adapters else 0.0, expected_rows)
+                                    _scale(cfg, r) if r in adapters else 0.0, expected_rows, cfg.runtime.qat)
     return mm(act(mm(rows, "w1"), mm(rows, "w3")), "w2")
 
 
@@ -444,6 +450,11 @@ def experts_gather(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     the partial outputs. With the experts unsplit and their hidden over every device
     (`v5p-256-decode`), each device reads 1/P of each chosen expert: the token's experts
     are read once in all."""
+    if cfg.runtime.qat:   # decode (no gradient): the stacks as the export stores them, adapters merged
+        from k3jax.ops.qat import requantized
+        weights = {r: requantized(weights[r], adapters.get(r), _scale(cfg, r) if r in adapters else 0.0)
+                   for r in ROLES}
+        adapters = {}
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(mesh.shape)
     E = _num_experts(weights)

@@ -38,7 +38,9 @@ import numpy as np
 from k3jax.ops.grouped_matmul import tile_rows
 from k3jax.ops.platform import target_backend
 from pallas_kernels.mxfp4_gmm import mxfp4_gmm
+from pallas_kernels.mxfp4_gmm import encode as enc
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
+from pallas_kernels.mxfp4_gmm.encode import quantize_halves
 from pallas_kernels.grouped.manual import vary_together
 
 IMPLS = ("auto", "pure", "pallas")
@@ -88,7 +90,7 @@ def _check(x, packed, scale, group_sizes, transpose_rhs):
 
 def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, impl="auto",
                          compute_dtype=None, block_experts=None, window_rows=None,
-                         expected_rows=None):
+                         expected_rows=None, merge=None):
     """Rows of x (sorted by group) times their group's MXFP4 weight; see the module doc.
 
     x [M, K] (transpose_rhs=True) or [M, N]; packed [E, N, K/2] u8; scale [E, N, K/32] u8;
@@ -99,6 +101,11 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
     as fit in 256 MiB dequantized. block_experts > 1 uses ragged_dot on every backend.
     expected_rows: the rows doing real work under balanced routing, for the Pallas
     kernels' declared costs.
+    merge: quantization-aware fine-tuning's (A, B, alpha/r), adapters in the tree's
+    orientation (A [E, K, r] or [K, r] shared, B [E, r, N]): each expert's weight is then
+    mxfp4(W + (alpha/r)·(A B)ᵀ), re-quantized block by block (pure) or tile by tile
+    (Mosaic), the exporter's rounding (pallas_kernels.mxfp4_gmm.encode). A and B get no
+    gradient here (k3jax.ops.qat adds theirs); on GPU the pure path runs it.
     """
     if impl not in IMPLS:
         raise ValueError(f"mxfp4_grouped_matmul: unknown impl {impl!r}; expected one of {IMPLS}")
@@ -110,8 +117,26 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
     # Inside shard_map every input is cast to vary over the axes any of them does, outside
     # the custom_vjp: so x's cotangent may vary where the weights do (w1 split over
     # `tensor`), and autodiff sums it over the axes x itself was replicated on.
+    if merge is not None:
+        a, b, s = merge
+        merge_operands(a, b, packed.shape)      # shapes checked here, before any trace
+        a, b = jax.lax.stop_gradient((a, b))
+        args, _ = vary_together(x, packed, scale, jnp.asarray(group_sizes, jnp.int32), a, b)
+        return _qgmm((*opts, float(s)), *args)
     args, _ = vary_together(x, packed, scale, jnp.asarray(group_sizes, jnp.int32))
     return _gmm(opts, *args)
+
+
+def merge_operands(a, b, packed_shape):
+    """(A's even-input rows, its odd ones, Bᵀ) in the layouts the products read: [E|1, r,
+    K/2] twice and [E, N, r] (a shared A keeps a leading 1: every expert reads it)."""
+    E, N, half = packed_shape
+    a = a[None] if a.ndim == 2 else a
+    if a.shape[1:] != (2 * half, a.shape[-1]) or b.shape != (E, a.shape[-1], N) or a.shape[0] not in (1, E):
+        raise ValueError(f"mxfp4_grouped_matmul: adapters A {a.shape}, B {b.shape} do not fit weights "
+                         f"[E, N, K] = {(E, N, 2 * half)} (A [E, K, r] or [K, r], B [E, r, N])")
+    a_t = jnp.swapaxes(a, 1, 2).astype(jnp.float32)
+    return a_t[..., 0::2], a_t[..., 1::2], jnp.swapaxes(b, 1, 2).astype(jnp.float32)
 
 
 # -- the differentiable op ----------------------------------------------------------------
@@ -138,12 +163,38 @@ def _gmm_bwd(opts, res, ct):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, expected):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qgmm(opts, x, packed, scale, sizes, a, b):
+    *rest, s = opts
+    return _dispatch(x, packed, scale, sizes, *rest, merge=(*merge_operands(a, b, packed.shape), s))
+
+
+def _qgmm_fwd(opts, x, packed, scale, sizes, a, b):
+    # the adapters themselves are the residuals (params, alive anyway): their fp32 layouts
+    # are rebuilt in the backward rather than kept for every layer until then
+    return _qgmm(opts, x, packed, scale, sizes, a, b), (packed, scale, sizes, a, b)
+
+
+def _qgmm_bwd(opts, res, ct):
+    transpose_rhs, *rest, s = opts
+    packed, scale, sizes, a, b = res
+    # dx through the same re-quantized weights; the adapters' straight-through gradient
+    # is the plain low-rank path's (k3jax.ops.qat), so none flows from here.
+    dx = _dispatch(ct, packed, scale, sizes, not transpose_rhs, *rest,
+                   merge=(*merge_operands(a, b, packed.shape), s))
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return dx, zero(packed), zero(scale), zero(sizes), jnp.zeros_like(a), jnp.zeros_like(b)
+
+
+_qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
+
+
+def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, expected, merge=None):
     E, N, half = packed.shape
     M = x.shape[0]
-    pure = functools.partial(_pure, transpose_rhs=transpose_rhs, cdt=cdt)
+    pure = functools.partial(_pure, transpose_rhs=transpose_rhs, cdt=cdt, merge=merge)
     fused = functools.partial(mxfp4_gmm, transpose_rhs=transpose_rhs, compute_dtype=cdt,
-                              expected_rows=expected)
+                              expected_rows=expected, merge=merge)
     if impl == "pallas":
         return fused(x, packed, scale, sizes)  # Mosaic, Triton or interpret mode per platform
     if block is not None:
@@ -152,15 +203,18 @@ def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, 
         cpu = default = blocked
     else:
         cpu = functools.partial(pure, B=1, L=window or tile_rows(M, E))
-        B = max(1, min(E, _BLOCK_BYTES // (N * 2 * half * cdt.itemsize)))
+        # re-quantizing holds some eight fp32 / int32 temporaries of the block
+        B = max(1, min(E, _BLOCK_BYTES // (N * 2 * half * (cdt.itemsize if merge is None else 32))))
         default = functools.partial(pure, B=B, L=window or _window(M, E, B))
     if impl == "auto" and target_backend() == "cpu":
         return cpu(x, packed, scale, sizes)    # not traced beside the kernels: see grouped_matmul
     accel = {}
-    if impl == "auto":
+    if impl == "auto" and merge is None:
         accel = dict(tpu=functools.partial(fused, mode="tpu"),
                      cuda=functools.partial(fused, mode="triton"),
                      rocm=functools.partial(fused, mode="triton"))
+    elif impl == "auto":   # re-quantizing tiles: the Mosaic kernel; GPUs run the pure blocks
+        accel = dict(tpu=functools.partial(fused, mode="tpu"))
     return jax.lax.platform_dependent(x, packed, scale, sizes, cpu=cpu, default=default, **accel)
 
 
@@ -174,7 +228,20 @@ def _window(m, n_experts, block):
 # -- the pure path --------------------------------------------------------------------------
 
 
-def _pure(x, packed, scale, sizes, *, transpose_rhs, cdt, B, L):
+def _requantized_halves(p, s, merge, e0, B, cdt):
+    """The block's (W_lo, W_hi) after merging its adapters and re-quantizing (the exporter's
+    rounding), decoded to cdt: values only MXFP4 can hold."""
+    lo_t, hi_t, b_t, sc = merge
+    lo, hi = decode_halves(p, s, jnp.float32)
+    if lo_t.shape[0] > 1:      # per-expert A; a shared one [1, r, K/2] broadcasts
+        lo_t, hi_t = (jax.lax.dynamic_slice_in_dim(a, e0, B) for a in (lo_t, hi_t))
+    bt = jax.lax.dynamic_slice_in_dim(b_t, e0, B)
+    s_new, c_lo, c_hi = quantize_halves(enc.merge(lo, bt, lo_t, sc), enc.merge(hi, bt, hi_t, sc))
+    s_new = enc.expand(s_new)
+    return e2m1_e8m0(c_lo, s_new, cdt), e2m1_e8m0(c_hi, s_new, cdt)
+
+
+def _pure(x, packed, scale, sizes, *, transpose_rhs, cdt, B, L, merge=None):
     E, N, half = packed.shape
     M = x.shape[0]
     d_out = N if transpose_rhs else half  # per half when the output is split
@@ -214,8 +281,8 @@ def _pure(x, packed, scale, sizes, *, transpose_rhs, cdt, B, L):
         e0 = jnp.minimum(b * B, E - B)
         ids = e0 + jnp.arange(B)
         own = ids >= b * B
-        w_lo, w_hi = decode_halves(jax.lax.dynamic_slice_in_dim(packed, e0, B),
-                                   jax.lax.dynamic_slice_in_dim(scale, e0, B), cdt)
+        p, s = jax.lax.dynamic_slice_in_dim(packed, e0, B), jax.lax.dynamic_slice_in_dim(scale, e0, B)
+        w_lo, w_hi = decode_halves(p, s, cdt) if merge is None else _requantized_halves(p, s, merge, e0, B, cdt)
         r0, r1 = blk_start[b], blk_end[b]
         e_start = jnp.where(own, row_start[ids], r0)
         e_end = jnp.where(own, row_end[ids], r0)

@@ -40,37 +40,49 @@ def _tpu_tiles(M, N, Kh, tm=None):
     return tm, tn, tkh
 
 
-def _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs):
+def _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs, rank=0):
     """Bytes the TPU kernel's blocks (double-buffered), scratch and decode temporaries take,
-    for a vmem_limit above Mosaic's default scoped 16 MiB when a shape needs it."""
+    for a vmem_limit above Mosaic's default scoped 16 MiB when a shape needs it. rank > 0:
+    re-quantizing (merge): Bᵀ and A's blocks in fp32 and twice the decode temporaries."""
     c = jnp.dtype(cdt).itemsize
     if transpose_rhs:
         blocks = 2 * tm * Kh * c + tn * Kh + tn * 128 + tm * tn * 4
         scratch, temps = 2 * tn * Kh * 2, 32 * Kh * 4 * 12
+        blocks += (tn * 128 + 2 * max(rank, 8) * Kh) * 4 if rank else 0
     else:
         blocks = tm * N * c + N * tkh + N * 128 + 2 * tm * tkh * 4
         scratch, temps = 2 * N * tkh * 2, 32 * tkh * 4 * 12 + tm * N * c
+        blocks += (N * 128 + 2 * max(rank, 8) * tkh) * 4 if rank else 0
+    temps *= 2 if rank else 1
     need = 2 * blocks + scratch + temps
     return None if need < 12 << 20 else int(need * 1.5)
 
 
 def mxfp4_gmm(x, packed, scale, group_sizes, *, transpose_rhs=True, compute_dtype=None,
-              mode="auto", layout=None, tm=None, expected_rows=None):
+              mode="auto", layout=None, tm=None, expected_rows=None, merge=None):
     """See the module doc. compute_dtype: the decoded weights' and x's dtype in the products
     (default x's); the output has x's dtype. layout: for mode="interpret", which kernels
     to run ("tpu" by default); tm: rows per tile (TPU layout; a power of two >= 16 on
     Triton's). expected_rows: the rows doing real work under balanced routing, which the
-    kernels' declared cost estimates count (as pallas_kernels.gmm's)."""
+    kernels' declared cost estimates count (as pallas_kernels.gmm's).
+    merge: (A_lo, A_hi [E|1, r, K/2], Bᵀ [E, N, r] fp32, alpha/r) for quantization-aware
+    fine-tuning: each decoded tile becomes mxfp4(W + (alpha/r)·Bᵀ A) (encode.py), on the
+    TPU layout (Mosaic, or interpret mode)."""
     if mode not in MODES:
         raise ValueError(f"mxfp4_gmm: unknown mode {mode!r}; expected one of {MODES}")
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"mxfp4_gmm: unknown layout {layout!r}; expected one of {LAYOUTS}")
     cdt = jnp.dtype(compute_dtype or x.dtype)
+    if merge is not None and (layout == "triton" or mode == "triton"):
+        raise ValueError("mxfp4_gmm: re-quantizing tiles (merge) runs the TPU layout (Mosaic or interpret "
+                         "mode); on GPUs k3jax.ops.mxfp4_matmul runs its pure blocks")
     run = functools.partial(_run, transpose_rhs=transpose_rhs, cdt=cdt, layout=layout, tm=tm,
-                            expected_rows=expected_rows)
+                            expected_rows=expected_rows, merge=merge)
     if mode != "auto":
         return run(x, packed, scale, group_sizes, mode=mode)
     per = lambda m: functools.partial(run, mode=m)  # noqa: E731
+    if merge is not None:
+        return jax.lax.platform_dependent(x, packed, scale, group_sizes, tpu=per("tpu"), default=per("interpret"))
     return jax.lax.platform_dependent(x, packed, scale, group_sizes, tpu=per("tpu"),
                                       cuda=per("triton"), rocm=per("triton"),
                                       default=per("interpret"))
@@ -98,7 +110,7 @@ def _cost(rows, E, N, Kh, c, out_itemsize, x_reads, transpose_rhs):
                                               + E * N * (Kh + K // 32)))
 
 
-def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expected_rows, mode):
+def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expected_rows, mode, merge=None):
     E, N, Kh = packed.shape
     M = x.shape[0]
     rows = M if expected_rows is None else min(M, int(expected_rows))
@@ -108,18 +120,24 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expec
     matmul = matmul_for(mode, cdt)
     if layout == "tpu":
         tm, tn, tkh = _tpu_tiles(M, N, Kh, tm)
-        vmem = _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs)
+        vmem = _tpu_vmem(tm, tn, tkh, N, Kh, cdt, transpose_rhs, 0 if merge is None else merge[2].shape[-1])
     else:
         tiles = _triton_tiles(M, N, Kh, cdt, tm)
         tm = tiles["tm"]
     M_pad = -(-M // tm) * tm
-    (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
+    if merge is None:
+        (x, packed, scale, group_sizes), axes = vary_together(x, packed, scale, group_sizes)
+    else:
+        (x, packed, scale, group_sizes, *ops), axes = vary_together(x, packed, scale, group_sizes, *merge[:3])
+        merge = (*ops, merge[3])
     xp = jnp.pad(x.astype(cdt), ((0, M_pad - M), (0, 0)))
     vis = visits(group_sizes, M_pad, tm)
     tiles_n = -(-N // (tn if layout == "tpu" else tiles["tn"])) if transpose_rhs else 1
     cost = _cost(rows, min(E, max(rows, 1)), N, Kh, jnp.dtype(cdt).itemsize, x.dtype.itemsize, tiles_n,
                  transpose_rhs)
     common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes, cost=cost)
+    if merge is not None:       # the TPU layout's alone (mxfp4_gmm refuses Triton's)
+        common["merge"] = merge
     if transpose_rhs:
         x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]
         if layout == "tpu":
