@@ -27,10 +27,15 @@ MXFP4-resident experts (`convert --expert-format mxfp4`, runs with `runtime.expe
 mxfp4`) are stored as their bytes: an unchanged expert is written back as stored.
 
 LoRA runs hold adapters and router biases only; their base is the run's `init_from` (or
-its seed). `merge_lora=True` writes W + (alpha/r)·A·B for every adapted tensor, routed
+its seed). `merge_lora=True` writes W + (alpha/r)·A·B for every adapted tensor (merged in
+fp32 one rank at a time, as a QAT forward merges: `update_loss.merged_fp32`), routed
 experts re-quantized to MXFP4 (compressed-tensors' rule) unless `experts_bf16`; the
 result's `requant` says how far the stored bytes are from the merged values
-(`adapters.RequantError`). Without it, a LoRA run is refused: export its adapters with
+(`adapters.RequantError`). For a merged LoRA run and a full fine-tune (its update measured
+against its init_from or seed) the result's `lost` says what fraction of the fine-tune's
+update the storage format lost from the weights the run's forward used
+(`update_loss.UpdateLoss`): 0 for a QAT run (`qat: true`), whose forward used the stored
+values themselves. Without it, a LoRA run is refused: export its adapters with
 `export_adapter` (a PEFT directory), or merge them.
 
 Streaming: tensors are produced in checkpoint order, one at a time, from slices of the
@@ -54,6 +59,7 @@ from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4, requanti
 from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
 from k3jax.checkpoint.orbax_io import open_leaf, stored_leaves
 from k3jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME, write_safetensors
+from k3jax.checkpoint.update_loss import UpdateLoss, merged_fp32
 from k3jax.config import K3Config
 from k3jax.errors import K3JaxError
 
@@ -95,14 +101,18 @@ class _Tree:
 
 class _Source:
     """The tensors an export writes: a base's leaves (widened or MXFP4 experts) and, for a
-    merged LoRA run, its adapters folded in on read."""
+    merged LoRA run, its adapters folded in on read. `init`: a full fine-tune's initial
+    weights (a _Source), for the size of its update. `lost` (update_loss.UpdateLoss) is
+    kept for a merged LoRA run and for a full fine-tune whose init is known."""
 
-    def __init__(self, base, adapters=None, spec=None, cfg=None):
-        self.base, self.adapters, self.spec, self.cfg = base, adapters, spec, cfg
-        self.requant = None
+    def __init__(self, base, adapters=None, spec=None, cfg=None, *, qat: bool = False, init=None):
+        self.base, self.adapters, self.spec, self.cfg, self.init = base, adapters, spec, cfg, init
+        self.requant = self.lost = None
         if adapters is not None:
             from k3jax.checkpoint.adapters import RequantError
             self.requant = RequantError()
+        if adapters is not None or init is not None:
+            self.lost = UpdateLoss(qat)
 
     def _adapter(self, path):
         """(target, path of the adapter) when `path` (a tree leaf path) is adapted."""
@@ -115,41 +125,57 @@ class _Source:
             return None
         return target, module
 
-    def _delta(self, path, index, expert=None):
-        from k3jax.checkpoint.adapters import delta
+    def _operands(self, path, index, expert=None):
+        """(A [in, r], B [r, out], alpha/r) of an adapted slot (one expert's when given)."""
         hit = self._adapter(path)
         if hit is None:
             return None
         target, module = hit
         a = self.adapters.get(module + ("lora_a",), index)
         b = self.adapters.get(module + ("lora_b",), index)
-        return delta(self.spec, target, a, b, expert)
+        if expert is not None:
+            a, b = (a if a.ndim == 2 else a[expert]), b[expert]
+        return a, b, self.spec.scale_of(target)
 
-    def dense(self, path, index) -> np.ndarray:
-        """A non-expert tree slot, merged when adapted."""
+    def dense(self, path, index):
+        """(A non-expert tree slot, merged when adapted; its update or None): the merge in
+        fp32 one rank at a time, as a QAT forward merges (update_loss.merged_fp32); a full
+        fine-tune's update is the slot less its init."""
         slot = self.base.get(path, index)
-        d = self._delta(path, index)
-        return slot if d is None else (slot.astype(np.float64) + d).astype(np.float32)
+        ops = self._operands(path, index)
+        if ops is not None:
+            a, b, s = ops
+            return merged_fp32(slot, a, b, s)
+        if self.init is not None and slot.dtype.kind == "f" and slot.ndim >= 2:   # weights, not norms or biases
+            return slot, slot.astype(np.float64) - self.init.base.get(path, index).astype(np.float64)
+        return slot, None
 
     def is_packed(self, e) -> bool:
         return e.path + ("weight_packed",) in self.base.paths
 
     def expert(self, e):
-        """(w [out, in] float or None, packed, scale or None, delta [out, in] or None): one
-        expert, as stored (packed bytes when MXFP4-resident and unchanged) or merged."""
+        """(w [out, in] float or None, packed, scale or None, update [out, in] or None): one
+        expert, as stored (packed bytes when MXFP4-resident and unchanged) or merged (in fp32,
+        as `dense`), with the adapters' or a full fine-tune's update."""
         idx, ex = e.index[:-1], e.index[-1]
-        d = self._delta(e.path, idx, ex)
+        ops = self._operands(e.path, idx, ex)
         if self.is_packed(e):
             packed = self.base.get(e.path + ("weight_packed",), e.index)
             scale = self.base.get(e.path + ("weight_scale",), e.index)
-            if d is None:
+            if ops is None:
                 return None, packed, scale, None
-            w = dequantize_mxfp4_np(packed, scale, np.float64)
+            w = dequantize_mxfp4_np(packed, scale, np.float32)
         else:
             w = np.ascontiguousarray(self.base.get(e.path, e.index).T)  # [in, out] -> [out, in]
-            if d is None:
-                return w, None, None, None
-        return w.astype(np.float64) + d.T, None, None, d.T
+            if ops is None:
+                if self.init is None:
+                    return w, None, None, None
+                w0 = self.init.expert(e)
+                w0 = dequantize_mxfp4_np(w0[1], w0[2], np.float64) if w0[0] is None else w0[0]
+                return w, None, None, w.astype(np.float64) - w0.astype(np.float64)
+        a, b, s = ops                    # [out, in]: Bᵀ [out, r] times Aᵀ [r, in]
+        merged, d = merged_fp32(w, np.asarray(b).T, np.asarray(a).T, s)
+        return merged, None, None, d
 
 
 class _ShardWriter:
@@ -252,7 +278,9 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         # would silently drop the vision tower
         raise K3JaxError(f"{src.path}: vision tensors in extra/ come from an older `k3jax convert`; "
                          "convert the HF directory again")
-    params = _lora_source(src) if lora_run else _Source(_Leaves(src.item_dir, src.prefix))
+    qat = src.kind == "run" and bool(src.train.get("qat"))
+    params = (_lora_source(src, qat) if lora_run
+              else _Source(_Leaves(src.item_dir, src.prefix), qat=qat, init=_run_init(src)))
     scales_dir = src.path / "mxfp4_scales" if src.kind == "orbax" else None
     scales = _Leaves(scales_dir) if scales_dir is not None and scales_dir.exists() else None
     entries = tensor_map(cfg, layout, src.dense_mlp_name)
@@ -270,17 +298,24 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
         bar = tqdm(total=len(entries), unit="tensor", desc=f"export {hf_dir.name}", disable=not progress)
         for e in entries:
             if not e.is_expert:
-                slot = params.dense(e.path, e.index)
+                slot, d = params.dense(e.path, e.index)
                 shape = stored_shape(e, slot.shape, cfg, layout)
                 dtype = release_dtype(e.hf)
                 if dtype != "F32" and e.path in keep_fp32 and slot.dtype == np.float32:
                     dtype, kept = "F32", kept + 1
+                if d is not None and params.lost is not None:
+                    # a QAT forward saw the stored value itself (k3jax.train.qat, Dense)
+                    stored = slot.astype(DTYPES[dtype])
+                    params.lost.add("bf16 weights", e.hf, stored if qat else slot, stored, d)
                 out.add(e.hf, _cast(from_tree_layout(e, slot, shape), dtype, casts))
                 bar.update(1)
                 continue
             w, packed, scale, d = params.expert(e)
             if experts_bf16:
                 w = dequantize_mxfp4_np(packed, scale) if w is None else w
+                if d is not None and params.lost is not None:   # a QAT forward saw MXFP4, not bf16
+                    seen = dequantize_mxfp4_np(*quantize_mxfp4(w.astype(np.float32))) if qat else w
+                    params.lost.add("experts", e.hf, seen, w.astype(DTYPES["BF16"]), d)
                 out.add(f"{e.hf}.weight", _cast(w, "BF16", casts))
             elif packed is not None:            # MXFP4-resident and unchanged: its own bytes
                 out.add(f"{e.hf}.weight_packed", packed)
@@ -289,7 +324,11 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
                 orig = scales.get(e.path, e.index) if scales is not None and e.path in scales.paths else None
                 packed, scale = _pack_expert(w.astype(np.float32), None if d is not None else orig)
                 if d is not None:
-                    params.requant.add(e.hf, w, dequantize_mxfp4_np(packed, scale, np.float64), d)
+                    stored = dequantize_mxfp4_np(packed, scale, np.float64)
+                    if params.requant is not None:
+                        params.requant.add(e.hf, w, stored, d)
+                    # a QAT forward multiplied by exactly these values (k3jax.ops.qat)
+                    params.lost.add("experts", e.hf, stored if qat else w, stored, d)
                 out.add(f"{e.hf}.weight_packed", packed)
                 out.add(f"{e.hf}.weight_scale", scale)
             bar.update(1)
@@ -311,6 +350,8 @@ def export(ckpt_dir, hf_dir, *, experts_bf16: bool = False, max_shard_bytes: int
               "source": src.describe(), "casts": casts, "kept_fp32": kept}
     if params.requant is not None and not experts_bf16:
         result["requant"] = params.requant.summary()
+    if params.lost is not None:
+        result["lost"] = params.lost.summary()
     return result
 
 
@@ -324,7 +365,28 @@ def _init_source(src):
     return resolve(init_from) if init_from else None
 
 
-def _lora_source(src) -> _Source:
+def _run_init(src):
+    """A full fine-tune's initial weights as a _Source (its init_from, else its seed's random
+    init, regenerated as the run drew it), for the size of its update; None for anything
+    but a full fine-tune."""
+    if src.kind != "run" or _is_lora_run(src):
+        return None
+    base_src = _init_source(src)
+    if base_src is not None and base_src.kind in ("orbax", "run") and not _is_lora_run(base_src):
+        return _Source(_Leaves(base_src.item_dir, base_src.prefix))
+    if base_src is not None:   # an HF directory: in memory (small models), experts widened
+        from k3jax.checkpoint.load import load_model_dir
+        _, params = load_model_dir(base_src, {"param_dtype": "float32", "expert_format": "bf16"})
+        return _Source(_Tree(params))
+    import jax
+
+    from k3jax.checkpoint.load import load_config
+    from k3jax.model import init_params
+    cfg = load_config(src).text.with_runtime(qat=False, lora=None)
+    return _Source(_Tree(jax.jit(lambda k: init_params(cfg, k))(jax.random.PRNGKey(int(src.train.get("seed", 0))))))
+
+
+def _lora_source(src, qat: bool = False) -> _Source:
     """A LoRA run's export source: its base (init_from's leaves, streamed when that is a
     k3jax checkpoint; else loaded whole) and its adapters from the run's checkpoint."""
     from k3jax import lora
@@ -341,7 +403,7 @@ def _lora_source(src) -> _Source:
         base = _Tree({k: v for k, v in params.items() if k != "lora"})
     # router biases come from the run: Quantile Balancing re-solved them while training
     biases = _Leaves(src.item_dir, src.prefix)
-    return _Source(_WithRun(base, biases), adapters, spec, cfg)
+    return _Source(_WithRun(base, biases), adapters, spec, cfg, qat=qat)
 
 
 class _RouterWeights:

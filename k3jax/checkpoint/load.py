@@ -74,11 +74,14 @@ class ModelSource:
         return f"{'k3jax checkpoint' if self.kind == 'orbax' else 'HF checkpoint'} {self.path}"
 
     def runtime(self, overrides: dict | None = None) -> dict:
-        """RuntimeOptions for loading: a run's training dtypes, then `overrides`."""
+        """RuntimeOptions for loading: a run's training dtypes (and its `qat`: a QAT run's
+        forward sees its weights as the export stores them), then `overrides`."""
         base = {}
         if self.kind == "run":
             rt = self.train.get("runtime") or {}
             base = {k: rt[k] for k in _RUN_RUNTIME_KEYS if rt.get(k) is not None}
+            if self.train.get("qat"):
+                base["qat"] = True
         return {**base, **{k: v for k, v in (overrides or {}).items() if v is not None}}
 
 

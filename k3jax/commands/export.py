@@ -56,6 +56,14 @@ def run(args) -> int:
         if q["error_over_update"] > 1:
             print("note: MXFP4's step is larger than the adapters' change to the experts: serve the adapter "
                   "(--adapter) or export the experts in bf16 (--experts-bf16) to keep it")
+    if "lost" in r:
+        import sys
+
+        from k3jax.checkpoint.update_loss import describe
+        lines = describe(r["lost"])
+        print(lines[0])
+        for line in lines[1:]:
+            print(line, file=sys.stderr)
     if r["casts"]:
         print("cast to the release's dtypes: " + ", ".join(f"{n:,d} tensor(s) {k}" for k, n in sorted(r["casts"].items())))
     else:

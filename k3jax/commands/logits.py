@@ -56,6 +56,8 @@ def run(args) -> int:
         tokens = mm.expand_tokens(tokens, img.rows, mm.media_pad_id(declared))
 
     def run_forward(cfg, k3, params, tokens):
+        from k3jax.train import qat
+        params = qat.view(cfg, params)   # a QAT run's weights as its forward saw them
         if images is None:
             return forward(cfg, params, tokens)
         return mm.forward_with_images(cfg, k3.vision, params, tokens, pixels, grids, pad_id=mm.media_pad_id(k3))

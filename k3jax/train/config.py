@@ -2,7 +2,9 @@
 
 Top level: steps, seed, output_dir, run_name, init_from, log_every, ckpt_every, keep (Orbax
 max_to_keep), async_checkpoint, peak_tflops (per device; null = measure a dense matmul at
-start), sample_prompt, sample_tokens.
+start), sample_prompt, sample_tokens, qat (quantization-aware fine-tuning: the forward sees
+every weight as `k3jax export` stores it, routed experts as MXFP4 of W + s·A·B, the rest
+bf16, gradients straight through; k3jax/train/qat.py).
   data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('auto' =
              tiktoken when bpe_file is set, else 'byte' | 'byte' | 'tiktoken'), bpe_file
              (tiktoken.model or the checkpoint folder holding it), pattern, seq_len,
@@ -24,7 +26,7 @@ start), sample_prompt, sample_tokens.
              freeze (globs on param paths, e.g. '*/w[123]', or 're:REGEX')
   balance:   enabled, method ('auto' | 'exact' | 'hist'), bins, sweeps,
              exact_max_elements (auto picks exact while tokens·experts is at most this)
-  runtime:   k3jax.config.RuntimeOptions, every field but lora, with its defaults: dtype,
+  runtime:   k3jax.config.RuntimeOptions, every field but lora and qat, with its defaults: dtype,
              param_dtype, remat ('none' | 'full' | 'dots'), kda_impl, kda_chunk_size,
              moe_dispatch ('auto' = 'ep' on a mesh with an expert axis), ep_exchange,
              ep_capacity_factor (0 = dropless 'ep'; e.g. 1.25 caps each device's received
@@ -59,12 +61,12 @@ from k3jax.config import (DTYPES, EP_EXCHANGES, EXPERT_FORMATS, KDA_IMPLS, LORA_
 
 SCHEDULES = ("cosine", "constant")
 RUNTIME_DEFAULTS = {f.name: getattr(RuntimeOptions(), f.name) for f in dataclasses.fields(RuntimeOptions)
-                    if f.name != "lora"}
+                    if f.name not in ("lora", "qat")}
 
 DEFAULTS = {
     "steps": 100, "seed": 0, "output_dir": "runs", "run_name": "run", "init_from": None,
     "log_every": 10, "ckpt_every": 50, "keep": 3, "async_checkpoint": True, "peak_tflops": None,
-    "sample_prompt": "The ", "sample_tokens": 48,
+    "sample_prompt": "The ", "sample_tokens": 48, "qat": False,
     "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "auto", "bpe_file": None,
              "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1,
              "loader": "memory", "shuffle_window": 1024, "format": "text",
@@ -76,7 +78,8 @@ DEFAULTS = {
                   "kv_b_mode": "split", "muon_scaling": "block", "freeze": []},
     "balance": {"enabled": True, "method": "auto", "bins": 1000, "sweeps": 6,
                 "exact_max_elements": 1 << 22},
-    # RuntimeOptions' own fields and defaults (every one but `lora`, which is its own section)
+    # RuntimeOptions' own fields and defaults (every one but `lora`, its own section, and
+    # `qat`, a top-level key)
     "runtime": RUNTIME_DEFAULTS,
     "lora": {"rank": 0, "alpha": None, "expert_rank": None, "expert_mode": "per_expert",
              "targets": None, "optimizer": "adamw", "lr": None},
@@ -200,7 +203,7 @@ SCHEMA = {
     "steps": _int(1), "seed": _int(0), "output_dir": _output_dir, "run_name": _run_name,
     "init_from": _optional(_str()), "log_every": _int(1), "ckpt_every": _int(1), "keep": _int(1),
     "async_checkpoint": _bool, "peak_tflops": _optional(_float(above=0)),
-    "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0),
+    "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0), "qat": _bool,
     "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("auto", "byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),

@@ -205,8 +205,8 @@ def accum_batch_sharding(mesh):
 
 def run_model_config(k3, tc: dict):
     """The model config a run trains: the train config's runtime options and its `lora:`
-    section ('auto' MoE dispatch picks 'ep' under a mesh with an expert axis)."""
-    return _with_lora(k3.text.with_runtime(**tc["runtime"]), tc)
+    section ('auto' MoE dispatch picks 'ep' under a mesh with an expert axis), and `qat`."""
+    return _with_lora(k3.text.with_runtime(**tc["runtime"], qat=bool(tc.get("qat"))), tc)
 
 
 def _with_lora(cfg, tc):

@@ -33,7 +33,7 @@ from k3jax.config import ConfigError, ModelConfig, VisionConfig
 from k3jax.ops.moe_dispatch import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.model import InputError, K3Model, variables_of
-from k3jax.train import balancing
+from k3jax.train import balancing, qat
 from k3jax.train.muon import path_str, trained_mask
 from k3jax.vision.merge import check_media_rows
 from k3jax.vision.multimodal import VISION_KEY, image_inputs, split_params
@@ -126,7 +126,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
 
     def micro(trained, fixed, mb, grids=None):
         def loss_fn(t):
-            p = merge_trained(t, fixed)
+            p = qat.view(cfg, merge_trained(t, fixed))   # the identity unless cfg.runtime.qat
             img = {}
             if grids is not None:
                 p, vp = split_params(p)

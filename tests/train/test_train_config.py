@@ -164,12 +164,13 @@ def test_resume_conflicts_name_the_keys():
 
 
 def test_the_runtime_section_is_runtime_options():
-    """`runtime:` is RuntimeOptions itself: every field but `lora` (its own section), with
-    RuntimeOptions' defaults, and what it resolves to builds a RuntimeOptions."""
+    """`runtime:` is RuntimeOptions itself: every field but `lora` (its own section) and
+    `qat` (a top-level key), with RuntimeOptions' defaults, and what it resolves to builds a
+    RuntimeOptions."""
     import dataclasses
 
     from k3jax.config import RuntimeOptions
-    fields = {f.name for f in dataclasses.fields(RuntimeOptions)} - {"lora"}
+    fields = {f.name for f in dataclasses.fields(RuntimeOptions)} - {"lora", "qat"}
     rt = resolve()["runtime"]
     assert set(rt) == fields
     assert rt == {k: getattr(RuntimeOptions(), k) for k in fields}
