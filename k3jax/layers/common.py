@@ -111,7 +111,8 @@ def merged_kernel(cfg: ModelConfig, module: nn.Module, name: str):
         return kernel
     ad = module.variables["lora"][name]
     if cfg.runtime.qat:   # the released weight, as the forward's projections see it
-        return merged_bf16(kernel, nn.unbox(ad["lora_a"]), nn.unbox(ad["lora_b"]), lora.scale_of(target))
+        merged = merged_bf16(kernel, nn.unbox(ad["lora_a"]), nn.unbox(ad["lora_b"]), lora.scale_of(target))
+        return merged.astype(kernel.dtype)
     a, b = nn.unbox(ad["lora_a"]).astype(jnp.float32), nn.unbox(ad["lora_b"]).astype(jnp.float32)
     return (kernel.astype(jnp.float32) + lora.scale_of(target) * (a @ b)).astype(kernel.dtype)
 

@@ -30,11 +30,21 @@ from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
 from pallas_kernels.mxfp4_gmm import encode as enc
 
 
+def round_bf16(x):
+    """x (fp32) rounded to the nearest bf16 (ties to even), still fp32: the export's cast.
+    On the bits, not by a cast pair: XLA drops an fp32 -> bf16 -> fp32 round trip as excess
+    precision (xla_allow_excess_precision) where its fusion allows, so a convert pair would
+    round in some programs and not in others."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def merged_bf16(kernel, a, b, scale: float):
-    """bf16(W + scale·A·B) of a projection's kernel [in, out] and adapters A [in, r], B
-    [r, out]: the released value of a merged projection (the exporter merges with the same
-    fp32 operations, k3jax.checkpoint.adapters.merged_fp32, then casts to bf16)."""
-    return enc.merge(kernel, a, b, scale).astype(jnp.bfloat16)
+    """bf16(W + scale·A·B) (as fp32 values) of a projection's kernel [in, out] and adapters
+    A [in, r], B [r, out]: the released value of a merged projection (the exporter merges
+    with the same fp32 operations, k3jax.checkpoint.update_loss.merged_fp32, then casts)."""
+    return round_bf16(enc.merge(kernel, a, b, scale))
 
 
 def merged_oi(w, adapter, scale: float, e=None):

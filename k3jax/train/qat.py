@@ -23,6 +23,7 @@ from flax import linen as nn
 
 from k3jax.config import ModelConfig, expert_role
 from k3jax.model import LORA_KEY, abstract_params
+from k3jax.ops.qat import round_bf16, straight_through
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,7 +51,10 @@ def view(cfg: ModelConfig, params):
     def one(p, x):
         key = tuple(k.key for k in p)
         if key in paths and key not in adapted and x.dtype != jnp.bfloat16:
-            return x.astype(jnp.bfloat16)   # its gradient is ct cast back: straight through
+            # rounded on the bits (ops.qat.round_bf16: XLA may drop a cast pair), kept in its
+            # own dtype (a bf16 leaf would make layers that infer their compute dtype from
+            # it run in bf16), the gradient straight through
+            return straight_through(x, round_bf16(x).astype(x.dtype))
         return x
 
     out = {k: v for k, v in params.items() if k == LORA_KEY}

@@ -11,7 +11,7 @@ from k3jax.checkpoint.update_loss import merged_fp32
 from k3jax.ops.experts import plain_expert_matmul
 from k3jax.ops.mxfp4 import MXFP4
 from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
-from k3jax.ops.qat import expert_matmul_qat, merged_bf16, quantize_oi, requantized
+from k3jax.ops.qat import expert_matmul_qat, merged_bf16, quantize_oi, requantized, round_bf16
 from pallas_kernels.mxfp4_gmm.encode import quantize_halves
 
 
@@ -144,5 +144,10 @@ def test_merged_projection_is_the_exporters_bf16_merge():
     a = rng.normal(size=(48, 5)).astype(np.float32)
     b = rng.normal(size=(5, 40)).astype(np.float32) * 0.01
     got = np.asarray(jax.jit(merged_bf16, static_argnums=3)(w, a, b, 0.75))
-    want = merged_fp32(w, a, b, 0.75)[0].astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    want = merged_fp32(w, a, b, 0.75)[0].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the rounding on the bits is the cast's (ties to even, subnormals, signed zeros)
+    v = _hard_values(rng, (64, 128))
+    v.flat[::7] = (v.flat[::7].view(np.uint32) & np.uint32(0xFFFF0000) | np.uint32(0x8000)).view(np.float32)
+    got = np.asarray(jax.jit(round_bf16)(v))
+    np.testing.assert_array_equal(got.view(np.uint32), v.astype(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32))
