@@ -249,11 +249,28 @@ class _Orth:
     stacked: bool
     deal: muon_dist.Deal | None = None
 
-    def __call__(self, x, coeffs, ns_steps: int):
-        if self.deal is None:
-            return _newton_schulz(x, coeffs, ns_steps, self.stacked)
-        return muon_dist.orthogonalize(x, self.deal, _ns_block(coeffs, ns_steps),
-                                       chunks=x.shape[-3] if self.stacked else 1)
+
+def _orthogonalize_all(orth, views, coeffs, ns_steps: int):
+    """Every view orthogonalised as its `_Orth` says, the dealt ones together
+    (`muon_dist.orthogonalize_many` packs those that can share a deal)."""
+    flat_o, treedef = jax.tree.flatten(orth, is_leaf=lambda x: isinstance(x, _Orth))
+    per_param = treedef.flatten_up_to(views)
+    leaves = [jax.tree.flatten(v) for v in per_param]          # a split kv_b view has two
+    out = [[None] * len(xs) for xs, _ in leaves]
+    dealt = []
+    for j, (o, (xs, _)) in enumerate(zip(flat_o, leaves)):
+        for m, x in enumerate(xs):
+            if o.deal is None:
+                out[j][m] = _newton_schulz(x, coeffs, ns_steps, o.stacked)
+            else:
+                dealt.append((j, m, x, o))
+    if dealt:
+        ys = muon_dist.orthogonalize_many([x for _, _, x, _ in dealt], [o.deal for *_, o in dealt],
+                                          _ns_block(coeffs, ns_steps),
+                                          [x.shape[-3] if o.stacked else 1 for _, _, x, o in dealt])
+        for (j, m, _, _), y in zip(dealt, ys):
+            out[j][m] = y
+    return treedef.unflatten([jax.tree.unflatten(d, ys) for ys, (_, d) in zip(out, leaves)])
 
 
 def _ns_block(coeffs, ns_steps: int):
@@ -290,8 +307,7 @@ def _scale_by_layerwise_muon(ns_steps: int, beta: float, nesterov: bool, mu_dtyp
                                   optax.tree.bias_correction(updates, beta, count))
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
-        out = jax.tree.map(lambda o, v: jax.tree.map(lambda x: o(x, state.ns_coeffs, ns_steps), v),
-                           orth, mu_hat)
+        out = _orthogonalize_all(orth, mu_hat, state.ns_coeffs, ns_steps)
         return out, MuonState(count=count, mu=optax.tree.cast(mu, mu_dtype), ns_coeffs=state.ns_coeffs)
 
     return optax.GradientTransformation(base.init, update)

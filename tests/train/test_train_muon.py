@@ -222,6 +222,32 @@ def test_dealt_blocks_match_newton_schulz_and_split_the_work(spec):
     assert "all-reduce(" not in text and "all-to-all(" in text
 
 
+def test_views_that_share_a_deal_pad_once_between_them():
+    """Views whose blocks have one shape (a tall one transposed) and trade over the same
+    axes are packed into one deal: 3 + 4 + 1 blocks over 8 devices run one block per device
+    together (three alone); each block still equals its own Newton–Schulz."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+    from k3jax.train import muon_dist
+    from optax.contrib._muon import orthogonalize_via_newton_schulz
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Auto,) * 3)
+    rng = np.random.default_rng(5)
+    views = [(rng.normal(size=(3, 24, 16)), (None, "x", "y")), (rng.normal(size=(2, 2, 24, 16)), (None, None, "x", "y")),
+             (rng.normal(size=(1, 16, 24)), (None, "y", "x"))]
+    xs = [jax.device_put(g.astype(np.float32), NamedSharding(mesh, P(*spec))) for g, spec in views]
+    deals = [muon_dist.plan(g.shape, spec, mesh) for g, spec in views]
+    coeffs = jnp.asarray(NS, jnp.float32)
+    one = lambda b: orthogonalize_via_newton_schulz(b, coeffs, 5, "frobenius", 1e-8)  # noqa: E731
+    many = lambda *v: muon_dist.orthogonalize_many(list(v), deals, one, [1, 2, 1])  # noqa: E731
+    for got, (g, _) in zip(jax.jit(many)(*xs), views):
+        for i in np.ndindex(*g.shape[:-2]):
+            np.testing.assert_allclose(np.asarray(got)[i], newton_schulz(g[i].astype(np.float32)), rtol=2e-3, atol=2e-4)
+    block = _ns_dot_flops(one, jnp.ones((16, 24), jnp.float32))
+    assert _ns_dot_flops(many, *xs) == pytest.approx(block, rel=1e-6)
+    alone = lambda *v: [muon_dist.orthogonalize(x, d, one) for x, d in zip(v, deals)]  # noqa: E731
+    assert _ns_dot_flops(alone, *xs) == pytest.approx(3 * block, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_sharded_muon_update_equals_the_one_device_update(tmp_path):
     """The first Muon update of params sharded on a training mesh (fsdp, expert and tensor
