@@ -26,6 +26,7 @@ GIB = 1 << 30
 class PlanOptions:
     mode: str = "train"              # 'train' | 'infer'
     batch: int | None = None         # global sequences; default one per batch shard
+    grad_accum: int | None = None    # train: microbatches a step (None: the fewest whose plan fits)
     seq: int = 4096
     remat: str = "full"              # 'none' | 'dots' | 'full'
     optimizer: str = "adamw"         # 'adamw' (fp32 m + v) | 'muon' (fp32 momentum on matrices)
@@ -49,6 +50,9 @@ class PlanOptions:
                 flag = {"ep_capacity_factor": "ep-capacity"}.get(key, key.replace("_", "-"))
                 raise ConfigError(f"--{flag} {getattr(self, key)!r}: {why}")
         need(self.batch is None or self.batch >= 1, "batch", "global sequences must be >= 1")
+        need(self.grad_accum is None or self.grad_accum >= 1, "grad_accum", "microbatches a step must be >= 1")
+        need(self.grad_accum is None or self.batch is None or self.batch % self.grad_accum == 0, "grad_accum",
+             f"must divide --batch {self.batch} (each microbatch is batch / grad_accum sequences)")
         need(self.seq >= 1, "seq", "tokens per sequence must be >= 1")
         need(self.devices is None or self.devices >= 1, "devices", "must be >= 1")
         need(self.hbm_gib is None or self.hbm_gib > 0, "hbm_gib", "per-device memory must be > 0")
@@ -82,7 +86,12 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     """Exact per-device bytes of params, gradients and optimizer state, as the train step
     holds them: params as stored (MXFP4 experts as their uint8 bytes, adapters included),
     fp32 gradients and optimizer state for the trained params only (the groups of
-    `k3jax.train.muon`: no frozen param, router bias or MXFP4 byte has either)."""
+    `k3jax.train.muon`: no frozen param, router bias or MXFP4 byte has either). With
+    gradient accumulation (grad_accum > 1) also `accumulation`: the fp32 running sum the
+    microbatch loop carries, beside the gradient the optimizer gets, and one microbatch's
+    gradient in the params' dtype (the backward's output, added into the sum after it).
+    K3 on v5p-1024-cp4, 16 x 128 sequences: XLA's total grew by 34.6 GiB over one pass of
+    128 (docs/performance.md), this term by 30.5."""
     from k3jax.train import muon
     sizes = preset.shape(opt.devices)
     run = run_config(cfg, opt)
@@ -91,7 +100,8 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     mesh_specs = param_specs(boxed, preset.rules, sizes)
     shapes = nn.unbox(boxed)
     groups = jax.tree.leaves(muon.param_groups(run, shapes, opt.freeze))
-    out = dict(params=0, grads=0, optimizer=0, adapters=0)
+    accum = (opt.grad_accum or 1) > 1
+    out = dict(params=0, grads=0, optimizer=0, adapters=0, **({"accumulation": 0} if accum else {}))
     leaves = jax.tree_util.tree_leaves_with_path(shapes)
     flat_specs = jax.tree.leaves(mesh_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     for (path, leaf), spec, group in zip(leaves, flat_specs, groups):
@@ -102,6 +112,8 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
         if opt.mode != "train" or group not in muon.TRAINED:
             continue
         out["grads"] += local * 4
+        if accum:   # the fp32 running sum, and one microbatch's gradient as the backward gives it
+            out["accumulation"] += local * (4 + np.dtype(leaf.dtype).itemsize)
         momentum_only = (group in muon.MUON_GROUPS and opt.optimizer == "muon") or (
             group == "lora" and opt.lora_optimizer == "muon")
         out["optimizer"] += local * (4 if momentum_only else 8)
@@ -301,25 +313,63 @@ def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: i
     return {"kda_state": int(seqs * kda_state), "kda_conv": int(seqs * conv), "mla_kv": int(seqs * mla)}
 
 
+def places(preset: MeshPreset, opt: PlanOptions, micro: int) -> bool:
+    """Whether a train microbatch of `micro` sequences splits over the batch shards of the
+    layout `k3jax train` takes for it."""
+    from k3jax.sharding import preset_for
+    if preset.train_preset or preset.context_preset:
+        preset = preset_for(preset.name, "train", micro, opt.devices)
+    return micro % logical_shards(preset.rules, preset.shape(opt.devices), ("batch",)) == 0
+
+
+def grad_accum_choices(batch: int) -> list[int]:
+    """Microbatch counts a global batch of `batch` sequences can run as, fewest first."""
+    return [a for a in range(1, batch + 1) if batch % a == 0]
+
+
+def choose_grad_accum(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> int:
+    """`opt.grad_accum`, or where it is None (train), the fewest microbatches whose plan fits:
+    the largest microbatch, so the per-microbatch fixed costs (ZeRO-3 gathers, the
+    exchanges' latency) are paid the fewest times. 1 where nothing fits, HBM is unknown, or
+    the mode is infer (the plan then says so)."""
+    if opt.grad_accum is not None:
+        return opt.grad_accum
+    hbm = opt.hbm_gib if opt.hbm_gib is not None else preset.hbm_gib
+    if opt.mode != "train" or not opt.batch or not hbm:
+        return 1
+    for a in grad_accum_choices(opt.batch):
+        if places(preset, opt, opt.batch // a) and plan(
+                cfg, preset, dataclasses.replace(opt, grad_accum=a), total_params)["fits"]:
+            return a
+    return 1
+
+
 def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> dict:
     """The per-device plan. In train mode the layout is the one `k3jax train` runs
-    (`mesh.preset_for`): an inference preset's `train_preset` (b300x8 -> b300x8_train), and
-    the `context_preset` a batch with fewer sequences than batch shards needs."""
+    (`mesh.preset_for`) for one microbatch: an inference preset's `train_preset` (b300x8 ->
+    b300x8_train), and the `context_preset` a microbatch with fewer sequences than batch
+    shards needs. `opt.grad_accum` None: `choose_grad_accum`'s."""
     from k3jax.sharding import preset_for
+    accum = choose_grad_accum(cfg, preset, opt, total_params) if opt.mode == "train" else 1
+    opt = dataclasses.replace(opt, grad_accum=accum)
+    micro = opt.batch // accum if opt.batch else None
     if opt.mode == "train" and (preset.train_preset or preset.context_preset):
-        preset = preset_for(preset.name, "train", opt.batch, opt.devices)
+        preset = preset_for(preset.name, "train", micro, opt.devices)
     sizes = preset.shape(opt.devices)
     shards = logical_shards(preset.rules, sizes, ("batch",))
-    batch = opt.batch or shards
-    if opt.mode == "train" and batch % shards:   # the train step places whole sequences per shard
-        raise ConfigError(f"batch {batch} does not split over the {shards} batch shards of mesh "
-                          f"{preset.name}: give a multiple of {shards}")
+    micro = micro or shards
+    if opt.mode == "train" and micro % shards:   # the train step places whole sequences per shard
+        raise ConfigError(f"batch {micro} does not split over the {shards} batch shards of mesh "
+                          f"{preset.name}: give a multiple of {shards}" if accum == 1 else
+                          f"--grad-accum {accum}: microbatches of {micro} sequences do not split over the "
+                          f"{shards} batch shards of mesh {preset.name}")
+    batch = micro * accum
     state = state_bytes(cfg, preset, opt)
-    act = activation_bytes(cfg, preset, opt, batch)
+    act = activation_bytes(cfg, preset, opt, micro)
     caches = cache_bytes(cfg, preset, opt, batch)
     if opt.mode == "train":
-        parts = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
-                 "activations": sum(act.values())}
+        parts = {"params": state["params"], "grads": state["grads"] + state.get("accumulation", 0),
+                 "optimizer": state["optimizer"], "activations": sum(act.values())}
     else:
         parts = {"params": state["params"], "caches": sum(caches.values()), "activations": sum(act.values())}
     total = sum(parts.values())
@@ -329,6 +379,7 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
     return {
         "mesh": preset.name, "mesh_shape": {a: s for a, s in sizes.items() if s > 1},
         "devices": math.prod(sizes.values()), "mode": opt.mode, "batch": batch, "seq": opt.seq,
+        "grad_accum": accum, "microbatch": micro,
         "remat": opt.remat, "optimizer": opt.optimizer, "expert_format": opt.expert_format,
         "lora_rank": opt.lora_rank, "ep_buffer_mib": cfg.runtime.ep_buffer_mib,
         "params": int(total_params),
@@ -361,10 +412,21 @@ def fit_suggestions(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, tota
                 if r < rank:
                     tries.append((f"--lora-expert-rank {r} (train: lora.expert_rank={r})", cfg,
                                   dataclasses.replace(opt, lora_expert_rank=r)))
+        accum = opt.grad_accum or 1
+        for a in grad_accum_choices(opt.batch or 0):
+            if a > accum and places(preset, opt, opt.batch // a):
+                tries.append((f"--grad-accum {a} (train: data.batch_size={opt.batch // a}, data.grad_accum={a})",
+                              cfg, dataclasses.replace(opt, grad_accum=a)))
+
+    def fits(c, o) -> bool:
+        try:
+            return plan(c, preset, o, total_params)["fits"]
+        except ConfigError:    # a microbatch the mesh cannot place
+            return False
     found, kinds = [], set()
     for flag, c, o in tries:
         kind = flag.split()[0]
-        if kind not in kinds and plan(c, preset, o, total_params)["fits"]:
+        if kind not in kinds and fits(c, o):
             found.append(flag)
             kinds.add(kind)
     if found or not tries:
@@ -378,6 +440,6 @@ def fit_suggestions(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, tota
     for flag, ci, oi in last.values():
         c = c.with_runtime(**changed(ci.runtime, cfg.runtime))
         o = dataclasses.replace(o, **changed(oi, opt))
-    if plan(c, preset, o, total_params)["fits"]:
+    if fits(c, o):
         return [" with ".join(flag for flag, _, _ in last.values())]
     return []

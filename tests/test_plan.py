@@ -227,6 +227,10 @@ def test_training_ep_buffers_hold_the_backward_and_the_expert_adapters():
     (["--lora-rank", "-2"], "--lora-rank -2: must be >= 0"),
     (["--batch", "7"], "batch 7 does not split over the 128 batch shards of mesh v5p-1024-cp4: give a multiple of 128"),
     (["--batch", "100", "--mesh", "data8"], "batch 100 does not split over the 8 batch shards of mesh data8"),
+    (["--batch", "128", "--grad-accum", "3"], "--grad-accum 3: must divide --batch 128"),
+    (["--batch", "256", "--grad-accum", "4"],
+     "--grad-accum 4: microbatches of 64 sequences do not split over the 128 batch shards of mesh v5p-1024-cp4"),
+    (["--grad-accum", "0"], "--grad-accum 0: microbatches a step must be >= 1"),
 ])
 def test_bad_numbers_are_one_line_errors(flags, said, capsys):
     """Every numeric flag range-checked and the batch placed on the mesh's batch shards before
@@ -263,6 +267,7 @@ def test_a_preset_carries_the_runtime_it_was_planned_with(capsys):
 def test_a_plan_that_does_not_fit_names_what_would(capsys, argv):
     """Every setting the planner suggests fits when given; where it suggests none, even all of
     its levers together do not."""
+    argv = (*argv, "--grad-accum", "1")     # one pass: microbatches are one of the levers
     out = run_json(capsys, *argv)
     assert not out["fits"]
     for hint in out["would_fit_with"]:
@@ -272,3 +277,36 @@ def test_a_plan_that_does_not_fit_names_what_would(capsys, argv):
     if not out["would_fit_with"]:
         everything = ("--ep-buffer-mib", "64", "--optimizer", "muon", "--remat", "full")
         assert not run_json(capsys, *argv, *everything)["fits"]
+
+
+def test_a_batch_too_large_for_one_pass_runs_as_the_fewest_microbatches_that_fit(capsys):
+    """K3 LoRA over MXFP4 at 2048 x 4096 on v5p-1024 (16K tokens a chip) does not fit as one
+    pass; the plan runs it as microbatches (data.grad_accum), the fewest that fit, each
+    planned as the one-pass batch of its size plus the accumulation: an fp32 running sum
+    and one microbatch's bf16 gradient. Full fine-tuning fits at no microbatch count (its
+    fp32 sum alone is 20 GiB a chip): the plan says so and keeps one pass."""
+    lora = ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "2048", "--expert-format", "mxfp4",
+            "--lora-rank", "16")
+    out = run_json(capsys, *lora)
+    a, micro = out["grad_accum"], out["microbatch"]
+    assert out["fits"] and a > 1 and a * micro == 2048 and out["batch"] == 2048
+
+    def fits(argv, accum):
+        if main(["plan", *argv, "--grad-accum", str(accum), "--json"]) != 0:
+            assert "do not split" in capsys.readouterr().err      # the mesh cannot place it
+            return None
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fits"]
+    assert not any(fits(lora, d) for d in range(1, a) if 2048 % d == 0)
+    one = run_json(capsys, *lora[:3], "--batch", str(micro), *lora[5:], "--grad-accum", "1")
+    assert out["mesh"] == one["mesh"] and out["detail"]["activations"] == one["detail"]["activations"]
+    state, one_state = out["detail"]["state"], one["detail"]["state"]
+    # bf16 adapters: the fp32 sum is the gradient's size again, a microbatch's gradient half that
+    assert state["accumulation"] * 2 == one_state["grads"] * 3 and "accumulation" not in one_state
+    assert out["bytes_per_device"]["total"] - one["bytes_per_device"]["total"] == state["accumulation"]
+    assert run_json(capsys, *lora, "--grad-accum", str(a))["bytes_per_device"] == out["bytes_per_device"]
+
+    full = ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "2048")
+    out = run_json(capsys, *full)
+    assert not out["fits"] and out["grad_accum"] == 1
+    assert not any(fits(full, d) for d in (1, 2, 4, 8, 16, 32, 64))
+

@@ -99,18 +99,22 @@ def _lora_section(opt: PlanOptions) -> dict:
 
 def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, overrides: dict | None = None,
                   physical: bool = True) -> Program:
-    """`k3jax train --mesh` 's step for `opt.batch` × `opt.seq` tokens (one microbatch).
+    """`k3jax train --mesh` 's step for `opt.batch` × `opt.seq` tokens, as `opt.grad_accum`
+    microbatches (None: one).
 
     `overrides`: a nested `train:` section merged last (like `k3jax train key=value`)."""
     from k3jax.train import config as tconf, loop, muon, step as tstep
     if opt.optimizer != "muon":
         raise ConfigError(f"--optimizer {opt.optimizer}: `k3jax train` runs Per-Head Muon (AdamW on "
                           f"embeddings, vectors and lm_head); compile it with --optimizer muon")
-    preset = sharding.preset_for(preset_name, "train", opt.batch, len(devices))   # as `k3jax train --mesh` picks it
+    accum = opt.grad_accum or 1
+    micro = opt.batch // accum if opt.batch else None
+    preset = sharding.preset_for(preset_name, "train", micro, len(devices))   # as `k3jax train --mesh` picks it
     mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
-    batch = default_batch(preset, opt, len(devices))
-    check_layout(preset, len(devices), batch, opt.seq)
-    section = {"data": {"seq_len": opt.seq, "batch_size": batch, "grad_accum": 1}, "runtime": _runtime(opt),
+    micro = micro or default_batch(preset, opt, len(devices))
+    check_layout(preset, len(devices), micro, opt.seq)
+    batch = micro * accum
+    section = {"data": {"seq_len": opt.seq, "batch_size": micro, "grad_accum": accum}, "runtime": _runtime(opt),
                **_lora_section(opt)}
     if opt.freeze:
         section["optimizer"] = {"freeze": list(opt.freeze)}

@@ -69,6 +69,7 @@ def measure(prog: Program, log=print) -> tuple[dict, object]:
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     text = compiled.as_text()
     if os.environ.get("K3JAX_HLO_DIR"):      # keep the optimised HLO for reading offline
+        os.makedirs(os.environ["K3JAX_HLO_DIR"], exist_ok=True)
         path = os.path.join(os.environ["K3JAX_HLO_DIR"], f"{prog.mode}-{prog.cfg.num_hidden_layers}-layers.hlo")
         with open(path, "w") as f:
             f.write(text)

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from k3jax.commands.plan import add_trained_flags
+from k3jax.commands.plan import add_grad_accum, add_trained_flags
 from k3jax.commands import add_expert_format, number
 
 
@@ -26,7 +26,8 @@ estimate (per device; k3jax.aot.report):
   costliest: the five top-level HLO instructions with the largest share of that estimate
   by_scope: the same summed by where instructions come from (forward / backward / other,
     the model's scopes as their op_name gives them), the eight largest
-K3JAX_HLO_DIR=DIR keeps each compiled program's optimised HLO text there, to read offline."""
+K3JAX_HLO_DIR=DIR keeps each compiled program's optimised HLO text there, to read offline
+(scripts/hlo_collectives.py: its collectives by where they come from)."""
 
 
 def register(sub):
@@ -41,6 +42,7 @@ def register(sub):
     p.add_argument("--hbm-gib", type=float, default=None, help="per-device memory (default: the preset's)")
     p.add_argument("--batch", type=int, default=None, help="global sequences (default: one per batch shard)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (serving: the caches' length)")
+    add_grad_accum(p)
     p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon")
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -124,7 +126,7 @@ def run(args) -> int:
     from k3jax.aot.chips import topology_devices
     from k3jax.config import load_k3
     from k3jax.param_count import count_params
-    from k3jax.plan import PlanOptions, plan
+    from k3jax.plan import PlanOptions, choose_grad_accum, plan
     from k3jax.commands.plan import runtime_values
     from k3jax.mesh import describe_runtime, preset_runtime
     from k3jax.sharding import load_preset, preset_for
@@ -134,7 +136,8 @@ def run(args) -> int:
     k3 = load_k3(args.config)
     devices = topology_devices(args.topology)      # its form and libtpu first: the fix they name
     chip = _chip(args)
-    opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch, seq=args.seq,
+    opt = PlanOptions(mode="train" if args.mode == "train" else "infer", batch=args.batch,
+                      grad_accum=args.grad_accum, seq=args.seq,
                       remat=args.remat, optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=len(devices), hbm_gib=args.hbm_gib,
                       ep_capacity_factor=args.ep_capacity, prefill_chunk=args.prefill_chunk,
@@ -143,7 +146,12 @@ def run(args) -> int:
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
                       lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
     # training runs the layout `k3jax train --mesh` picks (a train or context preset)
-    preset = (preset_for(args.mesh, "train", args.batch, len(devices)) if args.mode == "train"
+    total_params = count_params(k3.text, k3.layout)["total"]
+    if args.mode == "train":   # the planner's microbatch count where none is given
+        opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text, load_preset(args.mesh), opt,
+                                                                    total_params))
+    micro = opt.batch // opt.grad_accum if opt.batch and opt.grad_accum else opt.batch
+    preset = (preset_for(args.mesh, "train", micro, len(devices)) if args.mode == "train"
               else load_preset(args.mesh))
     overrides = parse_overrides(args.overrides or [])
     resolve(k3.train, overrides)   # train's own schema: an unknown key or a bad value is one line
@@ -157,8 +165,10 @@ def run(args) -> int:
     if "ep_buffer_mib" in overrides.get("runtime", {}):
         k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=overrides["runtime"]["ep_buffer_mib"]))
     # before the compile: the planner's checks (the batch's placement on the mesh) fail fast
-    pl = plan(k3.text, preset, opt, count_params(k3.text, k3.layout)["total"])
-    log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)")
+    pl = plan(k3.text, preset, opt, total_params)
+    log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)"
+        + (f", {opt.grad_accum} microbatches of {pl['microbatch']}" + (" (the planner's choice)"
+           if args.grad_accum is None else "") if opt.mode == "train" and opt.grad_accum > 1 else ""))
     out = {"config": args.config, "mesh": preset.name, "topology": args.topology, "devices": len(devices),
            "mode": args.mode, "chip": chip.name, "runtime_from_preset": from_preset}
     hbm = report.hbm_limit(preset, opt, chip)
@@ -195,7 +205,7 @@ def run(args) -> int:
         "peak_rss_gib": report.peak_rss_gb(),
         **est, "model_flops_per_step": model["model_flops_per_step"],
         "layers_compiled": res["layers_compiled"], "extrapolated": res["extrapolated"],
-        "batch": batch, "seq": args.seq, "new_tokens_per_sequence": new, "loops_unread": fig["loops_unread"],
+        "batch": batch, "grad_accum": pl["grad_accum"], "microbatch": pl["microbatch"], "seq": args.seq, "new_tokens_per_sequence": new, "loops_unread": fig["loops_unread"],
         "programs": {n: {"compile_s": f["compile_s"], "memory_total": f["memory"]["total"]}
                      for n, f in res["programs"].items()},
     })
@@ -210,7 +220,8 @@ def run(args) -> int:
 
 def _text(o: dict) -> str:
     g = lambda n: f"{n / 2**30:9.2f} GiB" if n is not None else "        ?"  # noqa: E731
-    lines = [f"{o['config']} {o['mode']} on {o['mesh']} ({o['devices']} x {o['chip']}), batch {o['batch']} x "
+    accum = f" ({o['grad_accum']} microbatches of {o['microbatch']})" if o.get("grad_accum", 1) > 1 else ""
+    lines = [f"{o['config']} {o['mode']} on {o['mesh']} ({o['devices']} x {o['chip']}), batch {o['batch']}{accum} x "
              f"{o['new_tokens_per_sequence']} new tokens (seq {o['seq']}); layers compiled "
              f"{o['layers_compiled']}{' (extrapolated to full depth)' if o['extrapolated'] else ''}",
              "XLA memory per device:"]

@@ -1,6 +1,7 @@
 """`k3jax plan CONFIG --mesh MESH`: per-device memory on a slice, and whether it fits."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -20,6 +21,12 @@ def add_trained_flags(p):
                    help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
 
 
+def add_grad_accum(p):
+    p.add_argument("--grad-accum", type=int, default=None, metavar="A",
+                   help="train: run the --batch sequences as A microbatches of batch / A (data.grad_accum; "
+                        "default: the fewest whose plan fits, printed)")
+
+
 def register(sub):
     p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
     p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
@@ -29,6 +36,7 @@ def register(sub):
     p.add_argument("--hbm-gib", type=float, default=None, help="per-device memory (default: the preset's)")
     p.add_argument("--batch", type=int, default=None, help="global sequences (default: one per batch shard)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (the cache length in infer mode)")
+    add_grad_accum(p)
     p.add_argument("--remat", choices=["none", "dots", "full"], default="full")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="muon",
                    help="the matrices' optimizer state: muon (what k3jax train runs: one fp32 momentum) "
@@ -60,12 +68,12 @@ def _gib(n) -> str:
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
     from k3jax.mesh import describe_runtime, preset_for, preset_runtime
-    from k3jax.plan import PlanOptions, fit_suggestions, plan
+    from k3jax.plan import PlanOptions, choose_grad_accum, fit_suggestions, plan
     from k3jax.sharding import load_preset
 
     k3 = load_any_config(args.config)
     preset = load_preset(args.mesh)
-    opt = PlanOptions(mode=args.mode, batch=args.batch, seq=args.seq, remat=args.remat,
+    opt = PlanOptions(mode=args.mode, batch=args.batch, grad_accum=args.grad_accum, seq=args.seq, remat=args.remat,
                       optimizer=args.optimizer, param_dtype=args.param_dtype,
                       expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib,
                       ep_capacity_factor=args.ep_capacity, lora_rank=args.lora_rank,
@@ -73,7 +81,11 @@ def run(args) -> int:
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
                       lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
     given = {"ep_buffer_mib": args.ep_buffer_mib} if args.ep_buffer_mib is not None else {}
-    from_preset = preset_runtime(preset_for(args.mesh, args.mode, args.batch, args.devices), given)
+    chosen = args.grad_accum is None and args.mode == "train"
+    opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text.with_runtime(**given), preset, opt,
+                                                                _total_params(args.config)))
+    micro = opt.batch // opt.grad_accum if opt.batch else None
+    from_preset = preset_runtime(preset_for(args.mesh, args.mode, micro, args.devices), given)
     text = k3.text.with_runtime(**runtime_values(from_preset), **given)
     out = plan(text, preset, opt, _total_params(args.config))
     out["runtime_from_preset"] = from_preset
@@ -86,6 +98,10 @@ def run(args) -> int:
     print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
           f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else ""))
+    if out["grad_accum"] > 1 or chosen:
+        print(f"  as {out['grad_accum']} microbatch{'es' if out['grad_accum'] > 1 else ''} of {out['microbatch']} "
+              f"(data.batch_size={out['microbatch']}, data.grad_accum={out['grad_accum']}"
+              + ("; chosen: the fewest that fit)" if chosen else ")"))
     print(f"params {out['params']:,d}; MLA cache {out['mla_cache_values_per_token']:,d} values/token; "
           f"KDA state {out['kda_state_values_per_sequence']:,d} values/sequence")
     for k, v in out["bytes_per_device"].items():
@@ -102,7 +118,7 @@ def run(args) -> int:
     if not out["fits"]:
         print("  would fit with: " + ("; or ".join(out["would_fit_with"]) if out["would_fit_with"] else
                                       "nothing the planner varies (exchange buffer, remat, optimizer, expert "
-                                      "LoRA rank); more devices (a larger mesh) or fewer tokens a step"))
+                                      "LoRA rank, microbatches); more devices (a larger mesh) or fewer tokens a step"))
     return 0
 
 

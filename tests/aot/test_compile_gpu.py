@@ -57,3 +57,18 @@ def test_target_backend_picks_the_forms(backend, blocks):
         assert kda_chunk.block_tokens() == blocks
         assert moe_dispatch._a2a_mode(load("toy")) == ("ragged" if backend == "gpu" else "padded")
         assert moe_dispatch._a2a_mode(load("toy", ep_exchange="emulated")) == "emulated"
+
+
+
+def test_a_compiled_step_takes_the_microbatches_it_was_given():
+    """`k3jax compile --batch 16 --grad-accum 2`'s program is train's step with
+    data.batch_size=8, data.grad_accum=2: its batch arrives as [2, 8, T], the layout
+    placing each microbatch as a one-pass batch of 8 would be."""
+    k3 = _small_k3()
+    devices = jax.devices()[:8]
+    prog = programs.train_program(k3, "b300x8", devices, PlanOptions(batch=16, grad_accum=2, seq=64, optimizer="muon"))
+    one = programs.train_program(k3, "b300x8", devices, PlanOptions(batch=8, seq=64, optimizer="muon"))
+    assert (prog.tc["data"]["batch_size"], prog.tc["data"]["grad_accum"], prog.batch) == (8, 2, 16)
+    tokens, single = prog.args[1]["tokens"], one.args[1]["tokens"]
+    assert tokens.shape == (2, 8, 64) and single.shape == (1, 8, 64)
+    assert tokens.sharding.spec == single.sharding.spec and prog.mesh.shape == one.mesh.shape
