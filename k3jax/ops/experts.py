@@ -19,18 +19,10 @@ from k3jax.ops.mxfp4 import MXFP4, dequantize_experts
 _HI = jax.lax.Precision.HIGHEST
 
 
-def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None, qat: bool = False):
-    """rows [M, in] sorted by expert, group sizes [E] -> [M, out] (rows past Σ sizes are 0).
-    expected_rows: rows doing real work under balanced routing (the kernels' declared costs).
-    qat: each expert's weight is mxfp4(W + scale·A·B), as the export stores it (ops.qat)."""
-    if qat:
-        from k3jax.ops.qat import expert_matmul_qat
-        return expert_matmul_qat(rows, w, sizes, adapter, scale, expected_rows)
-    return plain_expert_matmul(rows, w, sizes, adapter, scale, expected_rows)
-
-
-def plain_expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None):
-    """`expert_matmul` without QAT: the base product plus the low-rank path."""
+def expert_matmul(rows, w, sizes, adapter=None, scale: float = 0.0, expected_rows=None):
+    """rows [M, in] sorted by expert, group sizes [E] -> [M, out] (rows past Σ sizes are 0):
+    the base product plus the low-rank path. expected_rows: rows doing real work under
+    balanced routing (the kernels' declared costs). QAT's form is `ops.qat.expert_matmul_qat`."""
     if isinstance(w, MXFP4):
         from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
         y = mxfp4_grouped_matmul(rows, w.packed, w.scale, sizes, expected_rows=expected_rows)

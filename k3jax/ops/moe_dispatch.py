@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 
 from k3jax.config import EXPERT_ROLES, ConfigError, ModelConfig
 from k3jax.mesh import active_mesh_axes, entry_axes, fit_spec
+from k3jax.ops.qat import expert_matmul_qat
 from k3jax.ops.experts import adapter_spec, dense_adapter_delta, dense_weight, expert_matmul, hidden_splits, weight_spec
 from k3jax.ops.moe_gather import gather_local
 from k3jax.ops.platform import target_backend
@@ -101,8 +102,9 @@ def experts_dense(cfg: ModelConfig, act, z, idx, w, weights, adapters):
 
 def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters, expected_rows=None):
     """The expert FFN on rows sorted by expert (expected_rows: see expert_matmul)."""
-    mm = lambda x, r: expert_matmul(x, weights[r], sizes, adapters.get(r),  # noqa: E731
-                                    _scale(cfg, r) if r in adapters else 0.0, expected_rows, cfg.runtime.qat)
+    product = expert_matmul_qat if cfg.runtime.qat else expert_matmul
+    mm = lambda x, r: product(x, weights[r], sizes, adapters.get(r),  # noqa: E731
+                              _scale(cfg, r) if r in adapters else 0.0, expected_rows)
     return mm(act(mm(rows, "w1"), mm(rows, "w3")), "w2")
 
 

@@ -128,14 +128,14 @@ def _widened_fwd(opts, rows, w, adapter, sizes):
 
 
 def _widened_bwd(opts, res, ct):
-    from k3jax.ops.experts import plain_expert_matmul
+    from k3jax.ops.experts import expert_matmul
     from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
     scale, expected = opts
     rows, w, adapter, sizes = res
     q = requantized(w, adapter, scale)
     dx = mxfp4_grouped_matmul(ct, q.packed, q.scale, sizes, transpose_rhs=False, expected_rows=expected)
     # straight through: W's and the adapters' gradients are the unquantized product's
-    _, vjp = jax.vjp(lambda w_, ad: plain_expert_matmul(rows, w_.astype(rows.dtype), sizes, ad, scale, expected),
+    _, vjp = jax.vjp(lambda w_, ad: expert_matmul(rows, w_.astype(rows.dtype), sizes, ad, scale, expected),
                      w, adapter)
     dw, dad = vjp(ct.astype(rows.dtype))
     return dx, dw, dad, np.zeros(sizes.shape, jax.dtypes.float0)

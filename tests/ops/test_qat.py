@@ -8,7 +8,7 @@ import pytest
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
 from k3jax.checkpoint.update_loss import merged_fp32
-from k3jax.ops.experts import plain_expert_matmul
+from k3jax.ops.experts import expert_matmul
 from k3jax.ops.mxfp4 import MXFP4
 from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
 from k3jax.ops.qat import expert_matmul_qat, merged_bf16, quantize_oi, requantized, round_bf16
@@ -111,7 +111,7 @@ def test_straight_through_gradients_are_the_low_rank_paths():
         return lambda x, ad: jnp.sum(f(x, w, sizes, ad, s) * ct)
 
     gx, (ga, gb) = jax.grad(loss(expert_matmul_qat), argnums=(0, 1))(x, ad)
-    _, (pa, pb) = jax.grad(loss(plain_expert_matmul), argnums=(0, 1))(x, ad)
+    _, (pa, pb) = jax.grad(loss(expert_matmul), argnums=(0, 1))(x, ad)
     np.testing.assert_allclose(np.asarray(ga), np.asarray(pa), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(gb), np.asarray(pb), rtol=1e-6, atol=1e-7)
     want = _exporter_weights(packed, scale, a, b, s)      # dx = ct @ Q, Q the exported weights
@@ -132,7 +132,7 @@ def test_widened_experts_full_fine_tuning_gradient_is_straight_through():
     ids = np.repeat(np.arange(3), np.asarray(sizes))
     q = np.stack([dequantize_mxfp4_np(*quantize_mxfp4(np.asarray(w[e]).T)) for e in range(3)])  # [E, out, in]
     np.testing.assert_allclose(np.asarray(y), np.einsum("mk,mnk->mn", np.asarray(x), q[ids]), rtol=1e-5, atol=1e-6)
-    _, pvjp = jax.vjp(lambda w_: plain_expert_matmul(x, w_, sizes), w)
+    _, pvjp = jax.vjp(lambda w_: expert_matmul(x, w_, sizes), w)
     np.testing.assert_allclose(np.asarray(vjp(ct)[0]), np.asarray(pvjp(ct)[0]), rtol=1e-6, atol=1e-7)
 
 
