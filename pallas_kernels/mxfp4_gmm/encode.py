@@ -47,7 +47,8 @@ def codes(v, s):
     """E2M1 codes (int32, bit 3 the sign) of fp32 values v under scale bytes s (int32,
     broadcast to v)."""
     e = 127 - jnp.minimum(s, 254)              # 255 (NaN) groups decode to NaN whatever the code
-    e1 = e // 2                                 # two exact steps: 2**(127 - s) may not be normal
+    e1 = e >> 1      # floor(e / 2), as a shift: Mosaic lowers an integer // only with the TPU at hand
+    # two exact steps: 2**(127 - s) may not be normal
     q = v * _pow2(e1) * _pow2(e - e1)
     mag = jnp.abs(q)
     idx = sum(c.astype(jnp.int32) for c in (mag > 0.25, mag >= 0.75, mag > 1.25, mag >= 1.75,
