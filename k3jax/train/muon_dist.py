@@ -132,8 +132,7 @@ def _orthogonalize_pack(xs, deals, flips, rows, cols, ns: Callable, chunks):
     sizes = dict(d0.mesh.shape)
     group = d0.group
     # each view's own batch (its blocks per device over its chunks): the largest bounds the pack's
-    batch = max(max(1, -(-(-(-d.local_blocks(x.shape) // group)) // max(c, 1)))
-                for x, d, c in zip(xs, deals, chunks))
+    batch = max(max(1, -(-d.per_device(x.shape) // max(c, 1))) for x, d, c in zip(xs, deals, chunks))
 
     def local(*xls):
         blocks = [jnp.swapaxes(xl, -1, -2) if f else xl for xl, f in zip(xls, flips)]
