@@ -54,3 +54,27 @@ def sample(logits, key, *, temperature: float = 0.0, top_k: int = 0, top_p: floa
 def step_key(seed: int, step: int):
     """The key for decode step `step`: one stream per seed, independent of batch layout."""
     return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+
+def _sample_row(logits, key, temperature, top_k, top_p):
+    # `sample`'s filters with the settings as traced values: one compile serves every mix
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    x = logits / jnp.maximum(temperature, 1e-6)
+    srt = jnp.sort(x)[::-1]
+    kth = jnp.where((top_k > 0) & (top_k < x.shape[0]), srt[jnp.clip(top_k - 1, 0, x.shape[0] - 1)], -jnp.inf)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    srt = jnp.sort(x)[::-1]
+    probs = jax.nn.softmax(srt)
+    before = jnp.cumsum(probs) - probs
+    cutoff = jnp.min(jnp.where(before < top_p, srt, jnp.inf))
+    x = jnp.where((top_p < 1.0) & (x < cutoff), -jnp.inf, x)
+    drawn = jax.random.categorical(key, x[None], axis=-1)[0].astype(jnp.int32)
+    return jnp.where(temperature == 0.0, greedy, drawn)
+
+
+def sample_rows(logits, seeds, steps, temperature, top_k, top_p):
+    """Each row its own settings (arrays [B]) and stream: row b draws with
+    `step_key(seeds[b], steps[b])`, as a batch of one would at that step (the serving
+    engine's per-request sampling). logits [B, V] → ids [B] int32; jit it around."""
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
+    return jax.vmap(_sample_row)(logits.astype(jnp.float32), keys, temperature, top_k, top_p)
