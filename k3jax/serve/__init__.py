@@ -6,6 +6,7 @@ SIGTERM (or Ctrl-C) drains: the listener closes, running and queued requests fin
 are answered, then the process exits 0."""
 from __future__ import annotations
 
+import signal
 import socket
 
 
@@ -26,6 +27,10 @@ def serve(generator, engine, model_name: str, host: str = "127.0.0.1", port: int
     # uvicorn's own SIGTERM handling stops accepting and waits for every open request to be
     # answered; the engine keeps stepping until they are, and is shut down after
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
+    # uvicorn re-raises the signal it caught once it has shut down, to the handler found
+    # before it: a quiet one, so that a drained server exits 0 and not by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -9,7 +9,7 @@ from k3jax.infer.generate import generate
 from k3jax.infer.generator import Generator
 from k3jax.infer.sampling import SamplingParams
 
-SLOTS, MAX_LEN, CHUNK = 4, 256, 16
+SLOTS, MAX_LEN, CHUNK = 4, 512, 16
 # every test here shares the one compiled engine (~12 s to load and compile on 2 cores)
 pytestmark = pytest.mark.slow
 
