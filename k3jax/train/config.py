@@ -4,7 +4,9 @@ Top level: steps, seed, output_dir, run_name, init_from, log_every, ckpt_every, 
 max_to_keep), async_checkpoint, peak_tflops (per device; null = measure a dense matmul at
 start), sample_prompt, sample_tokens, qat (quantization-aware fine-tuning: the forward sees
 every weight as `k3jax export` stores it, routed experts as MXFP4 of W + s·A·B, the rest
-bf16, gradients straight through; k3jax/train/qat.py).
+bf16, gradients straight through; k3jax/train/qat.py), objective ('sft': next-token loss on
+data.path | 'dpo': preference pairs, k3jax/train/dpo.py), eval_every (steps between evaluations
+on data.eval_path; 0 = at the end only; the run also evaluates before its first step).
   data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('auto' =
              tiktoken when bpe_file is set, else 'byte' | 'byte' | 'tiktoken'), bpe_file
              (tiktoken.model or the checkpoint folder holding it), pattern, seq_len,
@@ -18,7 +20,13 @@ bf16, gradients straight through; k3jax/train/qat.py).
              chat: train_on ('all' assistant turns | 'last'), thinking, thinking_effort
              ('low' | 'high' | 'max' | null), truncate (cut conversations longer than a row;
              false drops them), on_bad_record ('error': a record the checks refuse stops the
-             run naming file:line and the field | 'skip': counted in the data summary)
+             run naming file:line and the field | 'skip': counted in the data summary),
+             eval_path (held-out records in data.path's format, never trained on; objective
+             dpo: preference pairs, evaluated every eval_every steps and at the end)
+  dpo:       (objective dpo; data.format chat: the pairs render as chat) beta, loss ('sigmoid'
+             = DPO | 'ipo' | 'simpo': length-normalised, reference-free, margin gamma),
+             label_smoothing (cDPO's ε: the chance a pair's label is flipped; sigmoid and
+             simpo), gamma (SimPO's target reward margin)
   optimizer: lr (Muon), adam_lr (null = lr; Moonlight's RMS matching lets them share one),
              warmup_steps, schedule ('cosine' | 'constant'), min_lr_ratio, weight_decay,
              b1, b2, eps, grad_clip, muon_beta, ns_steps, muon_rms (0.2),
@@ -66,12 +74,14 @@ RUNTIME_DEFAULTS = {f.name: getattr(RuntimeOptions(), f.name) for f in dataclass
 DEFAULTS = {
     "steps": 100, "seed": 0, "output_dir": "runs", "run_name": "run", "init_from": None,
     "log_every": 10, "ckpt_every": 50, "keep": 3, "async_checkpoint": True, "peak_tflops": None,
-    "sample_prompt": "The ", "sample_tokens": 48, "qat": False,
+    "sample_prompt": "The ", "sample_tokens": 48, "qat": False, "objective": "sft", "eval_every": 0,
     "data": {"path": "data/corpus.txt", "text_key": "text", "tokenizer": "auto", "bpe_file": None,
              "pattern": None, "seq_len": 128, "batch_size": 8, "grad_accum": 1,
              "loader": "memory", "shuffle_window": 1024, "format": "text",
              "chat": {"train_on": "all", "thinking": True, "thinking_effort": "max", "truncate": True,
-                      "on_bad_record": "error"}},
+                      "on_bad_record": "error"},
+             "eval_path": None},
+    "dpo": {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0, "gamma": 0.5},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -204,13 +214,17 @@ SCHEMA = {
     "init_from": _optional(_str()), "log_every": _int(1), "ckpt_every": _int(1), "keep": _int(1),
     "async_checkpoint": _bool, "peak_tflops": _optional(_float(above=0)),
     "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0), "qat": _bool,
+    "objective": _one_of("sft", "dpo"), "eval_every": _int(0),
     "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("auto", "byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
              "shuffle_window": _int(0), "format": _one_of("text", "chat"),
              "chat": {"train_on": _one_of("all", "last"), "thinking": _bool,
                       "thinking_effort": _one_of("low", "high", "max", None), "truncate": _bool,
-                      "on_bad_record": _one_of("error", "skip")}},
+                      "on_bad_record": _one_of("error", "skip")},
+             "eval_path": _optional(_str())},
+    "dpo": {"beta": _float(above=0), "loss": _one_of("sigmoid", "ipo", "simpo"),
+            "label_smoothing": _float(0, below=0.5), "gamma": _float(0)},
     # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
     "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),
@@ -299,9 +313,27 @@ def resolve(section: dict, overrides: dict | None = None) -> dict:
     if not problems and cfg["data"]["format"] == "chat" and cfg["data"]["loader"] != "memory":
         problems.append(f"train.data.loader: {cfg['data']['loader']!r} streams text documents; "
                         "format 'chat' is read by the 'memory' loader")
+    if not problems:
+        problems += _objective_problems(cfg)
     if problems:
         raise ConfigError("config " + "; ".join(problems))
     return cfg
+
+
+def _objective_problems(cfg: dict) -> list[str]:
+    """Keys that only make sense together: DPO reads preference pairs rendered as chat."""
+    out, d = [], cfg["data"]
+    if cfg["objective"] == "dpo":
+        if d["format"] != "chat":
+            out.append(f"train.data.format: {d['format']!r}; objective 'dpo' reads preference pairs rendered in "
+                       "the chat format: set data.format: chat")
+        if cfg["dpo"]["loss"] == "ipo" and cfg["dpo"]["label_smoothing"]:
+            out.append("train.dpo.label_smoothing: IPO has no label smoothing (it regresses the margin to "
+                       "1/(2 beta)); set it to 0")
+    elif d["eval_path"] is not None:
+        out.append(f"train.data.eval_path: evaluation runs with objective 'dpo' only (objective is "
+                   f"{cfg['objective']!r})")
+    return out
 
 
 def check_freeze(patterns, param_paths) -> None:
@@ -323,6 +355,7 @@ def _effective_data(d: dict) -> dict:
     had, tokenizer 'auto' becomes the one it picks, and the chat settings of a text run
     (unused) are left out."""
     d = {**DEFAULTS["data"], **d}
+    d.pop("eval_path")      # held-out records: not the stream a run trains on
     if d["tokenizer"] == "auto":
         d["tokenizer"] = "tiktoken" if d["bpe_file"] else "byte"
     if d["format"] != "chat":
@@ -348,6 +381,11 @@ def resume_conflicts(saved: dict, new: dict) -> list[str]:
     if saved.get("steps") != new["steps"] and schedules != {"constant"}:
         out.append(f"train.steps: {saved.get('steps')!r} -> {new['steps']!r} (the learning-rate schedule is "
                    f"laid out over steps: it would jump)")
+    if saved.get("objective", "sft") != new["objective"]:
+        out.append(f"train.objective: {saved.get('objective', 'sft')!r} -> {new['objective']!r}")
+    if new["objective"] == "dpo":
+        a_dpo = {**DEFAULTS["dpo"], **(saved.get("dpo") or {})}
+        out += [f"train.dpo.{k}: {a_dpo.get(k)!r} -> {v!r}" for k, v in sorted(new["dpo"].items()) if a_dpo.get(k) != v]
     a_lora, b_lora = {**DEFAULTS["lora"], **(saved.get("lora") or {})}, new["lora"]
     for key in sorted(b_lora):
         if a_lora.get(key) != b_lora[key]:

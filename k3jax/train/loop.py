@@ -34,48 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, checkpoint_steps
-from k3jax.config import CONFIG_DIR, ConfigError, expert_role, load_k3
+from k3jax.config import CONFIG_DIR, ConfigError, load_k3
 from k3jax.distributed import barrier
 from k3jax.errors import RunDirError
-from k3jax.train import config as tconf, preemption, rundir
-from k3jax.train.batches import batch_spec, make_batches
-
-
-def measured_peak_flops(n: int = 1024, repeats: int = 3) -> float:
-    """This machine's dense fp32 matmul FLOP/s (the MFU denominator when none is configured)."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(repeats):
-        f(a).block_until_ready()
-    return 2 * n ** 3 * repeats / (time.perf_counter() - t)
-
-
-def flops_per_token(params, k_over_e: float, groups=None, top_k: int = 1) -> float:
-    """Model FLOPs per token for forward+backward: 2 per weight value forward, 2 more for
-    the input gradient and, for trained weights, 2 for their own gradient (6 for a fully
-    trained model; 4 for a frozen base under LoRA). Every weight except the embedding
-    lookup counts, routed experts (and their per-expert adapters) at k/E, a shared expert A
-    ('shared_a') k times; MXFP4 experts by
-    their values (two per packed byte, scales not counted). Attention-score FLOPs are left
-    out, so MFU here is a slight under-estimate."""
-    from k3jax.layout import is_scanned
-    from k3jax.train.muon import TRAINED, path_str
-    group_of = {} if groups is None else {path_str(p): g for p, g in jax.tree_util.tree_leaves_with_path(groups)}
-    total = 0.0
-    for p, x in jax.tree_util.tree_leaves_with_path(params):
-        keys = [str(getattr(k, "key", k)) for k in p]
-        if keys[0] == "embed_tokens" or keys[-1] == "weight_scale":
-            continue
-        values = x.size * (2 if keys[-1] == "weight_packed" else 1)
-        expert = expert_role(keys) is not None
-        # a shared A ('shared_a') has no expert axis: each of a token's k pairs goes through it
-        shared_a = expert and keys[-1] == "lora_a" and x.ndim == 2 + is_scanned(keys[1:])
-        trained = groups is None or group_of.get(path_str(p)) in TRAINED
-        scale = top_k if shared_a else k_over_e if expert else 1.0
-        total += values * scale * (6.0 if trained else 4.0)
-    return total
+from k3jax.train import config as tconf, objectives, preemption, rundir
+from k3jax.train.flops import flops_per_token, measured_peak_flops  # noqa: F401  (imported from here too)
 
 
 class _Progress:
@@ -359,16 +322,19 @@ def _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
     d = tc["data"]
     tok = tokenizer_for(k3, d["tokenizer"], d["bpe_file"], d["pattern"])
     # init_from, where given, is also the folder whose preprocessor_config.json sizes images
-    batches = make_batches(d, _data_path(d["path"]), tc["seed"], tok, k3, jax.process_index(),
-                           jax.process_count(), media_dir=tc["init_from"])
+    batches = objectives.make_batches(tc, _data_path(d["path"]), tok, k3, jax.process_index(),
+                                      jax.process_count(), media_dir=tc["init_from"])
     log(f"data: {batches.describe()}")
     try:
-        return _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok)
+        evaluate = objectives.evaluator(cfg, tc, tok, k3, d["eval_path"] and _data_path(d["eval_path"]))
+        if evaluate is not None:
+            log(f"eval: {evaluate.ds.summary()} ({d['eval_path']})")
+        return _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok, evaluate)
     finally:
         batches.close()
 
 
-def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok) -> int:
+def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok, evaluate) -> int:
     import orbax.checkpoint as ocp
 
     from k3jax.train import muon, step as tstep
@@ -392,7 +358,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
     else:
         rows = accum_batch_sharding(mesh)  # [accum, B, T]
         if batches.local:   # a streamed loader gives each process the rows of its own devices
-            spec = batch_spec(d)
+            spec = objectives.batch_spec(cfg, tc)
             place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows, v, spec[k][0])  # noqa: E731
                                      for k, v in b.items()}
         else:               # every process computes the same global batch from (seed, step) and
@@ -410,6 +376,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
     barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(f"{run_dir}/{RUN_CHECKPOINTS}", options=opts)
+    objectives.prepare(cfg, tc, state.params, batches, evaluate, log)   # with the initial params
     latest = mgr.latest_step()
     if latest is not None:
         # only what a checkpoint holds (a LoRA run: its adapters and router biases, step.checkpoint_view)
@@ -427,7 +394,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         # batch or state that did not match it would be an error rather than a recompile
         t = time.perf_counter()
         train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-                                              for k, (shape, dtype) in batch_spec(d).items()}).compile()
+                                              for k, (shape, dtype) in objectives.batch_spec(cfg, tc).items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
         barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
@@ -440,6 +407,8 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
     rc, last_loss, t_log, steps_since, step = 0, None, time.perf_counter(), 0, start
     first_loss = None
     written = {"config": False}
+    if evaluate is not None and start < tc["steps"]:
+        log(f"eval before step {start + 1}:{objectives.describe(evaluate(state.params))[2:]}")
 
     issued = []
 
@@ -478,12 +447,14 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 bar.update(step, loss)
-                if step % tc["log_every"] == 0 or step == tc["steps"] or step == start + 1:
+                evaluating = evaluate is not None and objectives.eval_due(tc, step)
+                if step % tc["log_every"] == 0 or step == tc["steps"] or step == start + 1 or evaluating:
                     dt = time.perf_counter() - t_log
                     tps = tokens_per_step * steps_since / dt
                     rec = {"step": step, "loss": loss, "grad_norm": gnorm, "tokens_per_s": tps,
                            "tflops_per_device": tps * fpt / jax.device_count() / 1e12,
-                           "mfu": tps * fpt / jax.device_count() / peak}
+                           "mfu": tps * fpt / jax.device_count() / peak, **objectives.step_metrics(m),
+                           **(evaluate(state.params) if evaluating else {})}
                     if "load_max" in m:
                         rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])
                         rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
@@ -496,7 +467,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
                     bar.close() if bar.on else None
                     note = " (includes compile)" if step == start + 1 and not precompiled else ""
                     log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
-                        f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{note}")
+                        f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{objectives.describe(rec)}{note}")
                     t_log, steps_since = time.perf_counter(), 0
                 preempted = watch.reached(step)   # every step, on every process
                 if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:

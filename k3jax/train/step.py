@@ -7,6 +7,13 @@ fp32 (optimizer state is fp32 even with bf16 params), applies the optimizer, and
 replaces every router bias with the Quantile Balancing solution from this step's router
 scores (a frozen router keeps its bias).
 
+The objective (`tc['objective']`) chooses the per-microbatch loss and nothing else: 'sft'
+sums token cross-entropy over the loss tokens; 'dpo' (k3jax/train/dpo.py) sums the pair
+losses of the microbatch's preference rows and counts pairs, its reference log-probs taken
+without a gradient before the policy's forward (the base with adapters off under LoRA, or
+the batch's precomputed `ref_logp`), and adds up its metrics (reward margin, accuracies,
+chosen/rejected log-probs) like the loss, each divided by the global pair count.
+
 Only the trained params (`muon.trained_mask`: not frozen, not a router bias, not integer
 MXFP4 bytes; with LoRA, the adapters alone) are differentiated: the others enter the loss
 as constants, so no gradient, accumulator or optimizer state exists for them.
@@ -99,6 +106,22 @@ def cross_entropy(logits, targets, mask):
     return jnp.sum((lse - picked) * mask), jnp.sum(mask)
 
 
+def objective_fns(cfg: ModelConfig, tc: dict):
+    """(loss_terms(logits, mb, ref) -> (Σ loss, count, {metric: Σ}), reference(params, mb) ->
+    what loss_terms takes as `ref` (no gradient), metric names) of the train config's objective."""
+    if tc.get("objective", "sft") == "dpo":
+        from k3jax.train import dpo
+        opts = tc["dpo"]
+
+        def dpo_terms(logits, mb, ref):
+            return dpo.pair_terms(opts, dpo.token_logps(logits, mb["targets"], mb["loss_mask"]), ref, mb)
+        return dpo_terms, dpo.step_reference(cfg, tc), dpo.METRICS
+
+    def sft_terms(logits, mb, ref):
+        return (*cross_entropy(logits, mb["targets"], mb["loss_mask"]), {})
+    return sft_terms, lambda params, mb: None, ()
+
+
 def balance_method(cfg: ModelConfig, tc: dict) -> str | None:
     b = tc["balance"]
     if not b["enabled"] or not cfg.num_experts or "moe" not in cfg.ffn_kinds:  # no router, nothing to balance
@@ -123,8 +146,11 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
     moe_layers = cfg.ffn_kinds.count("moe") if cfg.num_experts else 0
     mask = trained_mask(groups)
     keep_bias = frozen_routers(groups)
+    loss_terms, reference, extra_names = objective_fns(cfg, tc)
 
     def micro(trained, fixed, mb, grids=None):
+        ref = reference(merge_trained(trained, fixed), mb)
+
         def loss_fn(t):
             p = qat.view(cfg, merge_trained(t, fixed))   # the identity unless cfg.runtime.qat
             img = {}
@@ -133,9 +159,9 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                 img = image_inputs(cfg, vision, vp, mb["images"]["pixels"], grids, mb["tokens"], media_pad_id)
             logits, inter = model.apply(variables_of(p), mb["tokens"], mb["segment_ids"],
                                         mutable=["intermediates"], **img)
-            loss_sum, count = cross_entropy(logits, mb["targets"], mb["loss_mask"])
-            return loss_sum, (count, inter.get("intermediates", {}))
-        (loss_sum, (count, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
+            loss_sum, count, extras = loss_terms(logits, mb, ref)
+            return loss_sum, (count, extras, inter.get("intermediates", {}))
+        (loss_sum, (count, extras, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         valid = (mb["segment_ids"] > 0).reshape(-1)
         params = merge_trained(trained, fixed)
@@ -143,7 +169,7 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
                  if method else {})
         dropped = sum((jnp.sum(x) for p, x in jax.tree_util.tree_leaves_with_path(inter)
                        if "ep_dropped" in jax.tree_util.keystr(p)), jnp.zeros((), jnp.int32))
-        return loss_sum, count, grads, stats, valid, dropped
+        return loss_sum, count, extras, grads, stats, valid, dropped
 
     def train_step(state: TrainState, batch, grids=None):
         params = state.params
@@ -151,9 +177,10 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
 
         def body(carry, mb):
-            loss_sum, count, grads, hist, dropped = carry
-            l, c, g, stats, valid, d = micro(trained, fixed, mb, grids)
+            loss_sum, count, sums, grads, hist, dropped = carry
+            l, c, e, g, stats, valid, d = micro(trained, fixed, mb, grids)
             dropped = dropped + d
+            sums = jax.tree.map(jnp.add, sums, e)
             grads = jax.tree.map(jnp.add, grads, g)
             if method == "hist":   # histograms and loads add up across microbatches
                 hist = jax.tree.map(jnp.add, hist, stats)
@@ -161,18 +188,20 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
             else:                  # exact: keep this microbatch's scores for the global solve
                 hist = jax.tree.map(jnp.add, hist, {p: {"load": s["load"]} for p, s in stats.items()})
                 out = ({p: s["stat"] for p, s in stats.items()}, valid)
-            return (loss_sum + l, count + c, grads, hist, dropped), out
+            return (loss_sum + l, count + c, sums, grads, hist, dropped), out
 
         hist0 = balancing.accumulator_zeros(params, method, bins) if method else {}
-        (loss_sum, count, grads, agg, dropped), per_mb = jax.lax.scan(
-            body, (jnp.zeros(()), jnp.zeros(()), zeros, hist0, jnp.zeros((), jnp.int32)), batch)
+        sums0 = {name: jnp.zeros(()) for name in extra_names}
+        (loss_sum, count, sums, grads, agg, dropped), per_mb = jax.lax.scan(
+            body, (jnp.zeros(()), jnp.zeros(()), sums0, zeros, hist0, jnp.zeros((), jnp.int32)), batch)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
 
         updates, opt_state = tx.update(grads, state.opt_state, trained)
         new_params = merge_trained(optax.apply_updates(trained, updates), fixed)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count,
+                   **{name: v / denom for name, v in sums.items()}}
         if drops_pairs(cfg):
             # (token, expert) pairs the 'ep' receive capacity dropped, over all routed pairs
             pairs = batch["tokens"].size * k * moe_layers
