@@ -145,6 +145,11 @@ class Engine:
             self.step()
         return list(requests)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine's thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self):
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()

@@ -18,6 +18,7 @@ import time
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from k3jax.chat.parsing import ReplyStream, parse_reply
 from k3jax.errors import InputError
 from k3jax.infer.engine import EngineFull, Request
 from k3jax.infer.sampling import SamplingParams
@@ -53,7 +54,7 @@ def make_app(svc: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = svc.engine._thread is not None and svc.engine._thread.is_alive()
+        alive = svc.engine.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/v1/models")
@@ -74,72 +75,78 @@ def make_app(svc: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        body = P.parse_body(await http.body())
-        opts = P.sampling_options(body, P.CHAT, None)
-        chat_req = P.chat_request(body)
-        try:
-            prompt = svc.gen.chat_prompt(chat_req["messages"], chat_req["tools"], thinking=chat_req["thinking"],
-                                         thinking_effort=chat_req["thinking_effort"],
-                                         tool_choice=chat_req["tool_choice"],
-                                         response_format=chat_req["response_format"])
-        except (InputError, ValueError, KeyError, TypeError) as e:
-            raise P.BadRequest("messages", f"the messages cannot be rendered: {e}") from None
-        from k3jax.chat.parsing import ReplyStream, parse_reply
-        tok, thinking = svc.gen.tokenizer, chat_req["thinking"]
-        req = svc.request(prompt, opts, svc.stop_ids,
-                          detok=lambda ids: parse_reply(ids, thinking=thinking, tokenizer=tok)["content"])
-        events = _submit(svc, req, "messages")
-        rid = P.new_id("chatcmpl")
-        if not opts["stream"]:
-            await _wait(http, svc, req, events)
-
-            reply = parse_reply(req.out, thinking=thinking, tokenizer=tok)
-            reply["content"] = req.text            # stop strings cut the answer
-            return P.chat_completion(rid, svc.model, reply, req.finish_reason, _usage(req))
-
-        async def sse():
-            reasoning = ReplyStream(tok, thinking)
-            yield _sse(P.chat_chunk(rid, svc.model, {"role": "assistant", "content": ""}))
-            async for new_ids, new_text in _events(svc, req, events):
-                think, _ = reasoning.feed(new_ids)
-                if think:
-                    yield _sse(P.chat_chunk(rid, svc.model, {"reasoning_content": think}))
-                if new_text:
-                    yield _sse(P.chat_chunk(rid, svc.model, {"content": new_text}))
-            reply = parse_reply(req.out, thinking=thinking, tokenizer=tok)
-            if reply["tool_calls"]:
-                calls = [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]
-                yield _sse(P.chat_chunk(rid, svc.model, {"tool_calls": calls}))
-            yield _sse(P.chat_chunk(rid, svc.model, {}, P.finish_reason(req.finish_reason, reply)))
-            if opts["include_usage"]:
-                yield _sse(P.chat_chunk(rid, svc.model, None, use=_usage(req)))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return await chat_completions(svc, http)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = P.parse_body(await http.body())
-        opts = P.sampling_options(body, P.COMPLETION, 16)
-        prompt = P.completion_prompt(body, svc.gen.cfg.vocab_size)
-        ids = svc.gen.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        req = svc.request(ids, opts, {svc.gen.cfg.eos_token_id} - {None})
-        events = _submit(svc, req, "prompt")
-        rid = P.new_id("cmpl")
-        if not opts["stream"]:
-            await _wait(http, svc, req, events)
-            return P.completion(rid, svc.model, req.text, P.finish_reason(req.finish_reason), _usage(req))
-
-        async def sse():
-            async for _, new_text in _events(svc, req, events):
-                if new_text:
-                    yield _sse(P.completion(rid, svc.model, new_text, None, None))
-            yield _sse(P.completion(rid, svc.model, "", P.finish_reason(req.finish_reason), None))
-            if opts["include_usage"]:
-                yield _sse(P.completion(rid, svc.model, None, None, _usage(req)))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return await text_completions(svc, http)
 
     return app
+
+
+async def chat_completions(svc: Service, http: HttpRequest):
+    body = P.parse_body(await http.body())
+    opts = P.sampling_options(body, P.CHAT, None)
+    chat_req = P.chat_request(body)
+    try:
+        prompt = svc.gen.chat_prompt(chat_req["messages"], chat_req["tools"], thinking=chat_req["thinking"],
+                                     thinking_effort=chat_req["thinking_effort"],
+                                     tool_choice=chat_req["tool_choice"],
+                                     response_format=chat_req["response_format"])
+    except (InputError, ValueError, KeyError, TypeError) as e:
+        raise P.BadRequest("messages", f"the messages cannot be rendered: {e}") from None
+    tok, thinking = svc.gen.tokenizer, chat_req["thinking"]
+    req = svc.request(prompt, opts, svc.stop_ids,
+                      detok=lambda ids: parse_reply(ids, thinking=thinking, tokenizer=tok)["content"])
+    events = _submit(svc, req, "messages")
+    rid = P.new_id("chatcmpl")
+    if not opts["stream"]:
+        await _wait(http, svc, req, events)
+        reply = parse_reply(req.out, thinking=thinking, tokenizer=tok)
+        reply["content"] = req.text            # stop strings cut the answer
+        return P.chat_completion(rid, svc.model, reply, req.finish_reason, _usage(req))
+
+    async def sse():
+        reasoning = ReplyStream(tok, thinking)
+        yield _sse(P.chat_chunk(rid, svc.model, {"role": "assistant", "content": ""}))
+        async for new_ids, new_text in _events(svc, req, events):
+            think, _ = reasoning.feed(new_ids)
+            if think:
+                yield _sse(P.chat_chunk(rid, svc.model, {"reasoning_content": think}))
+            if new_text:
+                yield _sse(P.chat_chunk(rid, svc.model, {"content": new_text}))
+        reply = parse_reply(req.out, thinking=thinking, tokenizer=tok)
+        if reply["tool_calls"]:
+            calls = [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]
+            yield _sse(P.chat_chunk(rid, svc.model, {"tool_calls": calls}))
+        yield _sse(P.chat_chunk(rid, svc.model, {}, P.finish_reason(req.finish_reason, reply)))
+        if opts["include_usage"]:
+            yield _sse(P.chat_chunk(rid, svc.model, None, use=_usage(req)))
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def text_completions(svc: Service, http: HttpRequest):
+    body = P.parse_body(await http.body())
+    opts = P.sampling_options(body, P.COMPLETION, 16)
+    prompt = P.completion_prompt(body, svc.gen.cfg.vocab_size)
+    ids = svc.gen.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    req = svc.request(ids, opts, {svc.gen.cfg.eos_token_id} - {None})
+    events = _submit(svc, req, "prompt")
+    rid = P.new_id("cmpl")
+    if not opts["stream"]:
+        await _wait(http, svc, req, events)
+        return P.completion(rid, svc.model, req.text, P.finish_reason(req.finish_reason), _usage(req))
+
+    async def sse():
+        async for _, new_text in _events(svc, req, events):
+            if new_text:
+                yield _sse(P.completion(rid, svc.model, new_text, None, None))
+        yield _sse(P.completion(rid, svc.model, "", P.finish_reason(req.finish_reason), None))
+        if opts["include_usage"]:
+            yield _sse(P.completion(rid, svc.model, None, None, _usage(req)))
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(sse(), media_type="text/event-stream")
 
 
 def _submit(svc: Service, req: Request, field: str) -> asyncio.Queue:
