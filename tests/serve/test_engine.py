@@ -120,3 +120,32 @@ def test_requests_past_the_cache_are_refused(engine):
         engine.submit(Request([1, 2], 0))
     r = engine.check(Request(list(range(MAX_LEN - 3)), 100))
     assert r.max_tokens == 4          # capped to the room left: the reply ends with 'length'
+
+
+def test_lora_adapters_are_served_unmerged(gen, engine):
+    # a LoRA run loads as the base params plus params['lora'] with cfg.runtime.lora set
+    # (checkpoint.load); the engine runs them as they are, unmerged
+    import jax
+    from flax import linen as nn
+
+    from k3jax import lora
+    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
+    cfg = gen.cfg.with_runtime(lora=lora.resolve({"rank": 4}, gen.cfg, abstract_params(gen.cfg)))
+    rng = np.random.default_rng(5)
+    adapters = jax.tree.map(lambda s: (0.5 * rng.normal(size=s.shape)).astype(s.dtype),
+                            nn.unbox(abstract_adapters(cfg)))
+    params = {**gen.text_params, LORA_KEY: adapters}
+    ps = prompts(19, 6, seed=6)
+    # chunk 1: one step width, one compile of the adapted model
+    got = [r.out for r in Engine(cfg, params, slots=SLOTS, max_len=MAX_LEN, chunk=1).run(
+        [Request(p, 5) for p in ps])]
+    # greedy, teacher-forced: each token is the argmax of the uncached forward (one compile,
+    # where generate's prefill and decode would be two) at its position
+    from k3jax.model import forward
+    full = np.zeros((2, 23), np.int32)
+    for b, (p, out) in enumerate(zip(ps, got)):
+        full[b, :len(p) + 4] = p + out[:4]
+    logits = np.asarray(forward(cfg, params, full))
+    for b, p in enumerate(ps):
+        assert logits[b, len(p) - 1:len(p) + 4].argmax(-1).tolist() == got[b]
+    assert got != [r.out for r in engine.run([Request(p, 5) for p in ps])]    # the adapters count
