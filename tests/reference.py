@@ -352,3 +352,30 @@ def lora_merged_params(cfg, params):
         hits += 1
     assert hits > 0
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if x.dtype.kind == "f" else x, base)
+
+
+def _log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def preference_loss_ref(pc, pr, rc, rr, nc, nr, loss, beta, label_smoothing=0.0, gamma=0.0):
+    """Per-pair preference losses in float64, from the papers. pc/pr: the policy's summed
+    log-probs of the chosen / rejected completion, rc/rr: the reference's, nc/nr: their
+    token counts.
+    - 'sigmoid': DPO (Rafailov et al. 2023, eq. 7), -log σ(β log[π(yw)/πref(yw)] - β log[π(yl)/πref(yl)]),
+      with conservative DPO's smoothing (Mitchell 2023): the expected loss when the label
+      is wrong with probability ε, (1-ε)·L(u) + ε·L(-u).
+    - 'ipo': IPO (Azar et al. 2023, eq. 17), (h - 1/(2τ))² with h the log-ratio difference and τ = β.
+    - 'simpo': SimPO (Meng et al. 2024, eq. 6), -log σ(β/|yw| log π(yw) - β/|yl| log π(yl) - γ),
+      smoothed like DPO."""
+    pc, pr, rc, rr, nc, nr = (np.asarray(x, np.float64) for x in (pc, pr, rc, rr, nc, nr))
+    if loss == "ipo":
+        h = (pc - rc) - (pr - rr)
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    if loss == "sigmoid":
+        u = beta * (pc - rc) - beta * (pr - rr)
+    elif loss == "simpo":
+        u = beta / nc * pc - beta / nr * pr - gamma
+    else:
+        raise ValueError(loss)
+    return (1.0 - label_smoothing) * -_log_sigmoid(u) + label_smoothing * -_log_sigmoid(-u)
