@@ -97,7 +97,7 @@ def _plain_completion_logps(cfg, params, convs, width):
 def test_step_scores_completions_as_plain_forwards_do(tmp_path):
     """A DPO step (2 microbatches of 2 pairs, learning rates 0) reports each completion's
     log-prob sum, the reference sums of its batch's ref_logp and the loss exactly as plain
-    forwards of each conversation alone give them."""
+    forwards of each conversation alone give them; so does evaluation (dpo.Evaluator)."""
     from flax import linen as nn
 
     from k3jax.config import K3Config
@@ -128,6 +128,7 @@ def test_step_scores_completions_as_plain_forwards_do(tmp_path):
     rc = np.asarray([ref[i, hc - 1:len(c) - 1].astype(np.float64).sum() for i, (c, hc) in enumerate(chosen)])
     rr = np.asarray([ref[i, len(c) + hr - 1:len(c) + len(r) - 1].astype(np.float64).sum()
                      for i, ((c, _), (r, hr)) in enumerate(zip(chosen, rejected))])
+    ev = dpo.Evaluator(cfg, tc, ds, 3)(params)          # before the step, which donates the params
     tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 10)
     _, m = tstep.make_train_step(cfg, tc, tx, groups)(tstep.init_state(params, tx, groups), batch)
 
@@ -140,6 +141,12 @@ def test_step_scores_completions_as_plain_forwards_do(tmp_path):
     assert float(m["reward_margin"]) == pytest.approx(margin.mean(), rel=1e-4, abs=1e-5)
     assert float(m["reward_accuracy"]) == np.mean(margin > 0)
     assert float(m["logp_accuracy"]) == np.mean(pc > pr)
+    # evaluation over the same pairs, 3 a forward (the last batch padded): the same numbers
+    assert ev["eval_pairs"] == 4 and ev["eval_accuracy"] == np.mean(pc > pr)
+    assert ev["eval_chosen_logp"] == pytest.approx(pc.mean(), rel=1e-5)
+    assert ev["eval_rejected_logp"] == pytest.approx(pr.mean(), rel=1e-5)
+    assert ev["eval_loss"] == pytest.approx(losses.mean(), rel=1e-5)
+    assert ev["eval_reward_margin"] == pytest.approx(margin.mean(), rel=1e-4, abs=1e-5)
 
 
 BAD = [

@@ -1,8 +1,8 @@
 """A LoRA DPO run over fixture B's MXFP4 base, end to end as `k3jax train` subprocesses: its
 first step is the reference's own (adapters start at B = 0, and the reference is the base
-with them off: the loss is log 2), the loss falls, the held-out pairs are evaluated with
-the adapters-off reference, and a run stopped mid-way resumes to the same losses and
-metrics as the uninterrupted one."""
+with them off: the loss is log 2), the loss falls, and a run stopped mid-way resumes to the
+same losses and metrics as the uninterrupted one. (Evaluation is checked in test_dpo.py: its
+compiles would double this test's time.)"""
 import json
 import math
 import os
@@ -17,7 +17,7 @@ from k3jax.train.variants import write_variant
 from helpers import FAST_COMPILE, FIXTURES, ROOT, need
 
 PAIRS = [({"role": "user", "content": f"{mode}: {w}"}, w.upper() if mode == "Upper" else w,
-          w if mode == "Upper" else w.upper()) for w in ("river", "stone", "cloud") for mode in ("Upper", "Lower")]
+          w if mode == "Upper" else w.upper()) for w in ("river", "stone") for mode in ("Upper", "Lower")]
 
 
 def _write_pairs(path, pairs):
@@ -41,8 +41,7 @@ def test_lora_dpo_on_fixture_b_starts_at_log2_and_resumes_exactly(tmp_path):
     b = need(FIXTURES / "fixture_b")
     train = {"objective": "dpo", "steps": 3, "log_every": 1, "ckpt_every": 1, "keep": 10, "sample_tokens": 0,
              "peak_tflops": 1.0, "init_from": str(b),
-             "data": {"path": _write_pairs(tmp_path / "train.jsonl", PAIRS[:4]), "format": "chat",
-                      "eval_path": _write_pairs(tmp_path / "eval.jsonl", PAIRS[4:]),
+             "data": {"path": _write_pairs(tmp_path / "train.jsonl", PAIRS), "format": "chat",
                       "seq_len": 216, "batch_size": 2, "chat": {"thinking": False, "thinking_effort": None}},
              "dpo": {"beta": 0.5},
              "optimizer": {"warmup_steps": 0, "schedule": "constant"},
@@ -56,13 +55,11 @@ def test_lora_dpo_on_fixture_b_starts_at_log2_and_resumes_exactly(tmp_path):
     assert ref[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)     # policy = reference at B = 0
     assert ref[1]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
     assert ref[3]["loss"] < ref[1]["loss"] and ref[3]["reward_margin"] > 0
-    assert ref[3]["eval_pairs"] == 2 and 0.0 <= ref[3]["eval_accuracy"] <= 1.0
     # stopped after step 1: the newer checkpoints and metrics lines are gone; the same
-    # command (without the evaluation, which is no part of the training stream) resumes
-    # from step 1 and logs the same losses and DPO metrics
+    # command resumes from step 1 and logs the same losses and DPO metrics
     for s in (2, 3):
         shutil.rmtree(tmp_path / "run" / "checkpoints" / str(s))
-    again, out = _train(cfg, tmp_path, "run", env, "data.eval_path=null")
+    again, out = _train(cfg, tmp_path, "run", env)
     assert "resumed from step 1" in out
     for s in (2, 3):
         for k in ("loss", "grad_norm", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"):
