@@ -379,3 +379,48 @@ def preference_loss_ref(pc, pr, rc, rr, nc, nr, loss, beta, label_smoothing=0.0,
     else:
         raise ValueError(loss)
     return (1.0 - label_smoothing) * -_log_sigmoid(u) + label_smoothing * -_log_sigmoid(-u)
+
+
+def grpo_advantages_ref(rewards, scale=True, eps=1e-6):
+    """DeepSeekMath (Shao et al. 2024) §4.1.2: Â_i = (r_i − mean(r)) / std(r) over a group of
+    G outputs of one question; Dr. GRPO (Liu et al. 2025) drops the std. Loops, float64."""
+    out = []
+    for group in rewards:
+        g = [float(x) for x in group]
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((x - mean) ** 2 for x in g) / len(g))
+        out.append([(x - mean) / (std + eps) if scale else x - mean for x in g])
+    return np.array(out)
+
+
+def grpo_loss_ref(logp, old_logp, ref_logp, adv, mask, eps_lo, eps_hi, beta, agg, max_tokens):
+    """GRPO's objective, negated (DeepSeekMath eq. 3, with PPO's clipped surrogate and the
+    k3 KL estimator π_ref/π − log(π_ref/π) − 1), one token at a time in float64, aggregated as
+    GRPO (mean per output, then over outputs), DAPO (Yu et al. 2025, eq. 8: over all tokens) or
+    Dr. GRPO (Liu et al. 2025: Σ tokens / (outputs · max_tokens)). Returns (loss, mean k3 and
+    clip fraction aggregated as the loss's outputs are)."""
+    per_out, kl_out, clip_out, tok_loss, tok_kl, tok_clip, n_tok = [], [], [], 0.0, 0.0, 0.0, 0
+    for b in range(len(adv)):
+        terms, kls, clips = [], [], []
+        for t in range(len(mask[b])):
+            if not mask[b][t]:
+                continue
+            ratio = math.exp(logp[b][t] - old_logp[b][t])
+            a = float(adv[b])
+            surr = min(ratio * a, min(max(ratio, 1 - eps_lo), 1 + eps_hi) * a)
+            kl = 0.0
+            if ref_logp is not None:
+                kl = math.exp(ref_logp[b][t] - logp[b][t]) - (ref_logp[b][t] - logp[b][t]) - 1
+            terms.append(-surr + beta * kl)
+            kls.append(kl)
+            clips.append(float(min(max(ratio, 1 - eps_lo), 1 + eps_hi) * a < ratio * a))
+        if not terms:
+            continue
+        tok_loss, tok_kl, tok_clip, n_tok = tok_loss + sum(terms), tok_kl + sum(kls), tok_clip + sum(clips), \
+            n_tok + len(terms)
+        per_out.append(sum(terms) / len(terms) if agg == "sequence" else sum(terms) / max_tokens)
+        kl_out.append(sum(kls) / len(kls))
+        clip_out.append(sum(clips) / len(clips))
+    if agg == "token":
+        return tok_loss / n_tok, tok_kl / n_tok, tok_clip / n_tok
+    return sum(per_out) / len(per_out), sum(kl_out) / len(kl_out), sum(clip_out) / len(clip_out)

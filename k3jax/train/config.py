@@ -5,7 +5,8 @@ max_to_keep), async_checkpoint, peak_tflops (per device; null = measure a dense 
 start), sample_prompt, sample_tokens, qat (quantization-aware fine-tuning: the forward sees
 every weight as `k3jax export` stores it, routed experts as MXFP4 of W + s·A·B, the rest
 bf16, gradients straight through; k3jax/train/qat.py), objective ('sft': next-token loss on
-data.path | 'dpo': preference pairs, k3jax/train/dpo.py), eval_every (steps between evaluations
+data.path | 'dpo': preference pairs, k3jax/train/dpo.py | 'grpo': rollouts of prompts scored
+by rewards, k3jax/train/grpo.py and rollouts.py), eval_every (steps between evaluations
 on data.eval_path; 0 = at the end only; the run also evaluates before its first step).
   data:      path (.txt / .jsonl / folder, local or gs://), text_key, tokenizer ('auto' =
              tiktoken when bpe_file is set, else 'byte' | 'byte' | 'tiktoken'), bpe_file
@@ -22,7 +23,17 @@ on data.eval_path; 0 = at the end only; the run also evaluates before its first 
              false drops them), on_bad_record ('error': a record the checks refuse stops the
              run naming file:line and the field | 'skip': counted in the data summary),
              eval_path (held-out records in data.path's format, never trained on; objective
-             dpo: preference pairs, evaluated every eval_every steps and at the end)
+             dpo: preference pairs; grpo: prompts, greedy; evaluated every eval_every steps
+             and at the end)
+  grpo:      (objective grpo; data.path holds prompts {"messages", "answer", ...}; data.batch_size
+             x grad_accum completions per step, a multiple of group_size) group_size (G),
+             max_tokens (per completion; a row of seq_len + 1 holds prompt and completion),
+             temperature, top_p, rollout_slots (the engine's), updates_per_batch (updates per
+             rollout batch), clip_eps, clip_eps_high (DAPO's clip-higher; null = clip_eps),
+             kl_beta (k3 KL to the reference; 0 = none), loss_agg ('sequence' | 'token': DAPO
+             | 'constant': Dr. GRPO), scale_rewards (divide advantages by the group's std;
+             false: Dr. GRPO), rewards (built-ins exact_match | tool_call | format, or
+             'module:function'), reward_weights (null = 1 each)
   dpo:       (objective dpo; data.format chat: the pairs render as chat) beta, loss ('sigmoid'
              = DPO | 'ipo' | 'simpo': length-normalised, reference-free, margin gamma),
              label_smoothing (cDPO's ε: the chance a pair's label is flipped; sigmoid and
@@ -82,6 +93,9 @@ DEFAULTS = {
                       "on_bad_record": "error"},
              "eval_path": None},
     "dpo": {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0, "gamma": 0.5},
+    "grpo": {"group_size": 8, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "rollout_slots": 64,
+             "updates_per_batch": 1, "clip_eps": 0.2, "clip_eps_high": None, "kl_beta": 0.0,
+             "loss_agg": "sequence", "scale_rewards": True, "rewards": ["exact_match"], "reward_weights": None},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -214,7 +228,7 @@ SCHEMA = {
     "init_from": _optional(_str()), "log_every": _int(1), "ckpt_every": _int(1), "keep": _int(1),
     "async_checkpoint": _bool, "peak_tflops": _optional(_float(above=0)),
     "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0), "qat": _bool,
-    "objective": _one_of("sft", "dpo"), "eval_every": _int(0),
+    "objective": _one_of("sft", "dpo", "grpo"), "eval_every": _int(0),
     "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("auto", "byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),
@@ -225,6 +239,11 @@ SCHEMA = {
              "eval_path": _optional(_str())},
     "dpo": {"beta": _float(above=0), "loss": _one_of("sigmoid", "ipo", "simpo"),
             "label_smoothing": _float(0, below=0.5), "gamma": _float(0)},
+    "grpo": {"group_size": _int(2), "max_tokens": _int(1), "temperature": _float(0), "top_p": _float(above=0, hi=1),
+             "rollout_slots": _int(1), "updates_per_batch": _int(1), "clip_eps": _float(above=0, below=1),
+             "clip_eps_high": _optional(_float(above=0)), "kl_beta": _float(0),
+             "loss_agg": _one_of("sequence", "token", "constant"), "scale_rewards": _bool,
+             "rewards": _list_of(_str()), "reward_weights": _optional(_list_of(_float()))},
     # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
     "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),
@@ -330,8 +349,24 @@ def _objective_problems(cfg: dict) -> list[str]:
         if cfg["dpo"]["loss"] == "ipo" and cfg["dpo"]["label_smoothing"]:
             out.append("train.dpo.label_smoothing: IPO has no label smoothing (it regresses the margin to "
                        "1/(2 beta)); set it to 0")
+    elif cfg["objective"] == "grpo":
+        g = cfg["grpo"]
+        if d["format"] != "chat":
+            out.append(f"train.data.format: {d['format']!r}; objective 'grpo' renders its prompts in the chat "
+                       "format: set data.format: chat")
+        if (d["batch_size"] * d["grad_accum"]) % g["group_size"]:
+            out.append(f"train.data.batch_size: {d['batch_size']} x grad_accum {d['grad_accum']} completions per "
+                       f"step is not a multiple of grpo.group_size {g['group_size']}")
+        if g["max_tokens"] >= d["seq_len"]:
+            out.append(f"train.grpo.max_tokens: {g['max_tokens']} leaves no room for a prompt in a row of "
+                       f"data.seq_len {d['seq_len']}")
+        if not g["rewards"]:
+            out.append("train.grpo.rewards: name at least one reward")
+        if g["reward_weights"] is not None and len(g["reward_weights"]) != len(g["rewards"]):
+            out.append(f"train.grpo.reward_weights: {len(g['reward_weights'])} weights for "
+                       f"{len(g['rewards'])} rewards")
     elif d["eval_path"] is not None:
-        out.append(f"train.data.eval_path: evaluation runs with objective 'dpo' only (objective is "
+        out.append(f"train.data.eval_path: evaluation runs with objective 'dpo' or 'grpo' only (objective is "
                    f"{cfg['objective']!r})")
     return out
 
@@ -386,6 +421,9 @@ def resume_conflicts(saved: dict, new: dict) -> list[str]:
     if new["objective"] == "dpo":
         a_dpo = {**DEFAULTS["dpo"], **(saved.get("dpo") or {})}
         out += [f"train.dpo.{k}: {a_dpo.get(k)!r} -> {v!r}" for k, v in sorted(new["dpo"].items()) if a_dpo.get(k) != v]
+    if new["objective"] == "grpo":
+        a_g = {**DEFAULTS["grpo"], **(saved.get("grpo") or {})}
+        out += [f"train.grpo.{k}: {a_g.get(k)!r} -> {v!r}" for k, v in sorted(new["grpo"].items()) if a_g.get(k) != v]
     a_lora, b_lora = {**DEFAULTS["lora"], **(saved.get("lora") or {})}, new["lora"]
     for key in sorted(b_lora):
         if a_lora.get(key) != b_lora[key]:

@@ -433,7 +433,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         with quiet, rundir.MetricsLog(f"{run_dir}/{RUN_METRICS}", keep_through=start, enabled=main, log=log) as mf:
             for s in range(start, tc["steps"]):
                 _io("checkpoint", mgr.check_for_errors)    # an async save that failed stops the run here
-                batch = place_batch(batches.batch(s))
+                batch = place_batch(objectives.batch_for(batches, s, state.params))
                 state, m = train_step(state, batch)
                 loss, gnorm = float(m["loss"]), float(m["grad_norm"])
                 steps_since += 1
@@ -453,7 +453,7 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
                     tps = tokens_per_step * steps_since / dt
                     rec = {"step": step, "loss": loss, "grad_norm": gnorm, "tokens_per_s": tps,
                            "tflops_per_device": tps * fpt / jax.device_count() / 1e12,
-                           "mfu": tps * fpt / jax.device_count() / peak, **objectives.step_metrics(m),
+                           "mfu": tps * fpt / jax.device_count() / peak, **objectives.step_metrics(m, batches, dt),
                            **(evaluate(state.params) if evaluating else {})}
                     if "load_max" in m:
                         rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])

@@ -12,7 +12,9 @@ sums token cross-entropy over the loss tokens; 'dpo' (k3jax/train/dpo.py) sums t
 losses of the microbatch's preference rows and counts pairs, its reference log-probs taken
 without a gradient before the policy's forward (the base with adapters off under LoRA, or
 the batch's precomputed `ref_logp`), and adds up its metrics (reward margin, accuracies,
-chosen/rejected log-probs) like the loss, each divided by the global pair count.
+chosen/rejected log-probs) like the loss, each divided by the global pair count; 'grpo'
+(k3jax/train/grpo.py) sums the clipped policy loss over completion tokens against the
+batch's rollout log-probs and advantages (plus the k3 KL to the batch's `ref_logp`).
 
 Only the trained params (`muon.trained_mask`: not frozen, not a router bias, not integer
 MXFP4 bytes; with LoRA, the adapters alone) are differentiated: the others enter the loss
@@ -109,6 +111,15 @@ def cross_entropy(logits, targets, mask):
 def objective_fns(cfg: ModelConfig, tc: dict):
     """(loss_terms(logits, mb, ref) -> (Σ loss, count, {metric: Σ}), reference(params, mb) ->
     what loss_terms takes as `ref` (no gradient), metric names) of the train config's objective."""
+    if tc.get("objective", "sft") == "grpo":
+        from k3jax.train import dpo, grpo
+        opts = tc["grpo"]
+
+        def grpo_terms(logits, mb, ref):
+            logp = dpo.token_logps(logits, mb["targets"], mb["loss_mask"])
+            return grpo.token_terms(opts, logp, mb["old_logp"], ref, mb["advantages"], mb["loss_mask"])
+        # the reference's log-probs come with the rollout (rollouts.py), none when kl_beta is 0
+        return grpo_terms, (lambda params, mb: mb.get("ref_logp")), grpo.METRICS
     if tc.get("objective", "sft") == "dpo":
         from k3jax.train import dpo
         opts = tc["dpo"]
