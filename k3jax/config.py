@@ -74,6 +74,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_FORMATS = ("bf16", "mxfp4")
 LORA_EXPERT_MODES = ("per_expert", "shared_a")
+OBJECTIVES = ("sft", "dpo", "grpo")   # a train config's `objective` (k3jax.train.objectives)
 
 
 @dataclass(frozen=True)

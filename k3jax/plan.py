@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from k3jax.config import ConfigError, ModelConfig
+from k3jax.config import OBJECTIVES, ConfigError, ModelConfig
 from k3jax.sharding import MeshPreset, entry_axes, fit_spec, logical_shards, param_specs
 
 GIB = 1 << 30
@@ -43,6 +43,9 @@ class PlanOptions:
     lora_targets: tuple[str, ...] | None = None   # None: k3jax.lora.DEFAULT_TARGETS
     lora_optimizer: str = "adamw"
     freeze: tuple[str, ...] = ()     # optimizer.freeze globs
+    objective: str = "sft"           # train config objective: 'sft' | 'dpo' | 'grpo' (objective_bytes)
+    rollout_slots: int | None = None  # grpo: the rollout engine's slots (grpo.rollout_slots; None: --batch)
+    kl_beta: float = 0.0             # grpo.kl_beta: > 0 without LoRA keeps a copy of the params
 
     def __post_init__(self):
         def need(ok, key, why):   # named as `plan` and `compile` spell the flag
@@ -60,6 +63,10 @@ class PlanOptions:
         need(self.prefill_chunk >= 1, "prefill_chunk", "must be >= 1")
         need(self.lora_rank >= 0, "lora_rank", "must be >= 0 (0: full fine-tuning)")
         need(self.lora_expert_rank is None or self.lora_expert_rank >= 1, "lora_expert_rank", "must be >= 1")
+        need(self.objective in OBJECTIVES, "objective", f"must be one of {', '.join(OBJECTIVES)}")
+        need(self.objective == "sft" or self.mode == "train", "objective", "plans a train step: use --mode train")
+        need(self.rollout_slots is None or self.rollout_slots >= 1, "rollout_slots", "must be >= 1")
+        need(self.kl_beta >= 0, "kl_beta", "must be >= 0 (0: no reference)")
 
 
 def _sizes(spec, sizes: dict) -> int:
@@ -313,6 +320,38 @@ def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: i
     return {"kda_state": int(seqs * kda_state), "kda_conv": int(seqs * conv), "mla_kv": int(seqs * mla)}
 
 
+def objective_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, micro: int, batch: int,
+                    params_bytes: int) -> dict:
+    """Per-device bytes the objective adds to the SFT step's plan (k3jax.train.objectives).
+
+    - dpo: the reference's per-target fp32 log-probs beside each microbatch's rows (`ref_logp`;
+      with LoRA the reference forward runs inside the step without a gradient, before the
+      policy's, so its activations are gone when the policy's are saved; without LoRA one
+      pass over the pairs before the first step computes them, an inference program).
+    - grpo: the rollout batch's `old_logp` (and with grpo.kl_beta `ref_logp`) per target and its
+      advantages; `reference_params`: a full copy of the params where kl_beta > 0 without
+      LoRA (the initial params, kept for the KL); and the rollout, a separate program run
+      between updates while the params and optimizer state stay live but no gradient or
+      activation does: caches for `rollout_slots` sequences of `seq` tokens (KDA state, conv
+      tails, MLA latent) plus one decode step's activations (`rollout_peak`)."""
+    if opt.objective == "sft":
+        return {}
+    sizes = preset.shape(opt.devices)
+    tokens = micro * opt.seq / logical_shards(preset.rules, sizes, ("batch", "length"))
+    if opt.objective == "dpo":
+        return {"reference_logps": int(tokens * 4)}
+    per_target = 2 if opt.kl_beta > 0 else 1            # old_logp, ref_logp
+    out = {"rollout_logps": int(tokens * 4 * per_target * (opt.grad_accum or 1)),
+           "reference_params": params_bytes if opt.kl_beta > 0 and not opt.lora_rank else 0}
+    slots = opt.rollout_slots or batch
+    caches = cache_bytes(cfg, preset, opt, slots)
+    decode = dataclasses.replace(opt, mode="infer", objective="sft", prefill_chunk=1, batch=slots, grad_accum=1)
+    act = activation_bytes(cfg, preset, decode, slots)
+    out["rollout_caches"] = sum(caches.values())
+    out["rollout_peak"] = out["rollout_caches"] + sum(act.values())
+    return out
+
+
 def places(preset: MeshPreset, opt: PlanOptions, micro: int) -> bool:
     """Whether a train microbatch of `micro` sequences splits over the batch shards of the
     layout `k3jax train` takes for it."""
@@ -367,12 +406,22 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
     state = state_bytes(cfg, preset, opt)
     act = activation_bytes(cfg, preset, opt, micro)
     caches = cache_bytes(cfg, preset, opt, batch)
+    extra = objective_bytes(cfg, preset, opt, micro, batch, state["params"])
     if opt.mode == "train":
         parts = {"params": state["params"], "grads": state["grads"] + state.get("accumulation", 0),
                  "optimizer": state["optimizer"], "activations": sum(act.values())}
     else:
         parts = {"params": state["params"], "caches": sum(caches.values()), "activations": sum(act.values())}
+    if extra:   # dpo / grpo: the reference and the rollout batch's log-probs ride with the update
+        parts["reference"] = extra.get("reference_params", 0)
+        parts["activations"] += extra.get("reference_logps", 0) + extra.get("rollout_logps", 0)
     total = sum(parts.values())
+    if "rollout_peak" in extra:
+        # the rollout runs between updates: params, optimizer state and the reference stay,
+        # the update's gradients and activations give way to the rollout's caches
+        rollout_total = parts["params"] + parts["optimizer"] + parts["reference"] + extra["rollout_peak"]
+        extra["rollout_total"] = rollout_total
+        total = max(total, rollout_total)
     hbm_gib = opt.hbm_gib if opt.hbm_gib is not None else preset.hbm_gib
     hbm = int(hbm_gib * GIB) if hbm_gib else None
     n_kda, n_mla = cfg.layer_kinds.count("kda"), cfg.layer_kinds.count("mla")
@@ -385,8 +434,9 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
         "params": int(total_params),
         "mla_cache_values_per_token": n_mla * cfg.mla_cache_dim,
         "kda_state_values_per_sequence": n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim,
+        "objective": opt.objective,
         "bytes_per_device": {**parts, "total": total},
-        "detail": {"state": state, "activations": act, "caches": caches},
+        "detail": {"state": state, "activations": act, "caches": caches, **({"objective": extra} if extra else {})},
         "hbm_bytes": hbm, "fits": bool(hbm is not None and total <= hbm),
     }
 

@@ -310,3 +310,40 @@ def test_a_batch_too_large_for_one_pass_runs_as_the_fewest_microbatches_that_fit
     assert not out["fits"] and out["grad_accum"] == 1
     assert not any(fits(full, d) for d in (1, 2, 4, 8, 16, 32, 64))
 
+
+
+def test_objectives_add_the_reference_and_the_rollout_caches(capsys):
+    """GRPO's rollout holds the engine's caches for its slots (the cache pytree the engine
+    allocates, split over the batch shards) while the params and optimizer state stay; a KL
+    reference without LoRA is a second copy of the params; the plan's total is the larger of
+    the update and the rollout. DPO adds only the reference's per-target log-probs."""
+    import jax
+
+    from k3jax.infer.caches import init_cache
+    cfg, preset = load("toy"), load_preset("data8")
+    opts = dict(batch=16, seq=64, param_dtype="bfloat16")
+    sft = plan(cfg, preset, PlanOptions(**opts), 1)
+    grpo = plan(cfg, preset, PlanOptions(**opts, objective="grpo", rollout_slots=24), 1)
+    run = cfg.with_runtime(dtype="bfloat16", param_dtype="bfloat16")
+    engine = jax.eval_shape(lambda: init_cache(run, 24, 64))
+    per_slot_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.layers))
+    extra = grpo["detail"]["objective"]
+    assert extra["rollout_caches"] == per_slot_bytes // 8            # 24 sequences over 8 batch shards
+    b = grpo["bytes_per_device"]
+    assert extra["rollout_total"] == b["params"] + b["optimizer"] + b["reference"] + extra["rollout_peak"]
+    assert b["total"] == max(sum(v for k, v in b.items() if k != "total"), extra["rollout_total"])
+    assert b["reference"] == 0 and b["params"] == sft["bytes_per_device"]["params"]
+    # the old policy's log-probs, one fp32 per target of the device's rows
+    assert extra["rollout_logps"] == 16 * 64 // 8 * 4
+    kl = plan(cfg, preset, PlanOptions(**opts, objective="grpo", kl_beta=0.04), 1)
+    assert kl["bytes_per_device"]["reference"] == kl["bytes_per_device"]["params"]
+    assert kl["detail"]["objective"]["rollout_logps"] == 2 * extra["rollout_logps"]   # + ref_logp
+    lora = plan(cfg, preset, PlanOptions(**opts, objective="grpo", kl_beta=0.04, lora_rank=4), 1)
+    assert lora["bytes_per_device"]["reference"] == 0                                   # adapters off
+    dpo = plan(cfg, preset, PlanOptions(**opts, objective="dpo"), 1)
+    assert dpo["bytes_per_device"]["total"] == sft["bytes_per_device"]["total"] + 16 * 64 // 8 * 4
+    # and on the command line: K3 GRPO on v5p-1024, rollouts of every completion of the step
+    out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--objective", "grpo", "--batch", "128")
+    assert out["objective"] == "grpo" and out["detail"]["objective"]["rollout_caches"] > 0
+    assert main(["plan", "k3", "--mesh", "v5p-1024", "--mode", "infer", "--objective", "dpo"]) == 2
+    assert "--objective 'dpo': plans a train step: use --mode train" in capsys.readouterr().err

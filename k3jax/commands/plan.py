@@ -21,6 +21,19 @@ def add_trained_flags(p):
                    help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
 
 
+def add_objective_flags(p):
+    """The train config's objective and what it keeps beside the step (plan and compile)."""
+    from k3jax.config import OBJECTIVES
+    p.add_argument("--objective", choices=OBJECTIVES, default="sft",
+                   help="train: the objective (dpo adds the reference's log-probs; grpo the rollout's "
+                        "caches and log-probs, and with --kl-beta and no LoRA a copy of the params)")
+    p.add_argument("--rollout-slots", type=number(int, 1), default=None, metavar="N",
+                   help="grpo: sequences the rollout engine holds at once (grpo.rollout_slots; default --batch: "
+                        "every completion of a step)")
+    p.add_argument("--kl-beta", type=number(float, 0), default=0.0,
+                   help="grpo: grpo.kl_beta (> 0 without LoRA keeps the initial params as the reference)")
+
+
 def add_grad_accum(p):
     p.add_argument("--grad-accum", type=int, default=None, metavar="A",
                    help="train: run the --batch sequences as A microbatches of batch / A (data.grad_accum; "
@@ -47,6 +60,7 @@ def register(sub):
     p.add_argument("--ep-capacity", type=float, default=0.0,
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
     add_trained_flags(p)
+    add_objective_flags(p)
     p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
                    help="RuntimeOptions.ep_buffer_mib of the run ('ep' exchanges run in chunks above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -79,7 +93,8 @@ def run(args) -> int:
                       ep_capacity_factor=args.ep_capacity, lora_rank=args.lora_rank,
                       lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
+                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze), objective=args.objective,
+                      rollout_slots=args.rollout_slots, kl_beta=args.kl_beta)
     given = {"ep_buffer_mib": args.ep_buffer_mib} if args.ep_buffer_mib is not None else {}
     chosen = args.grad_accum is None and args.mode == "train"
     opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text.with_runtime(**given), preset, opt,
@@ -97,7 +112,8 @@ def run(args) -> int:
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
     print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
-          f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else ""))
+          f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else "")
+          + (f", objective {out['objective']}" if out["objective"] != "sft" else ""))
     if out["grad_accum"] > 1 or chosen:
         print(f"  as {out['grad_accum']} microbatch{'es' if out['grad_accum'] > 1 else ''} of {out['microbatch']} "
               f"(data.batch_size={out['microbatch']}, data.grad_accum={out['grad_accum']}"
@@ -108,6 +124,10 @@ def run(args) -> int:
         print(f"  {k:<12}{_gib(v)}")
     for group, d in out["detail"].items():
         print(f"  {group}: " + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in d.items()) + " GiB")
+    if "rollout_total" in out["detail"].get("objective", {}):
+        o = out["detail"]["objective"]
+        print(f"  rollout (between updates: params, optimizer state, reference, caches): "
+              f"{o['rollout_total'] / (1 << 30):.2f} GiB; the total is the larger of it and the update's")
     if from_preset:
         print(describe_runtime(out["mesh"], from_preset)
               + " (the preset's settings; a flag or runtime.KEY= in train changes them)")

@@ -76,7 +76,7 @@ import re
 import yaml
 
 from k3jax.config import (DTYPES, EP_EXCHANGES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES, MOE_DISPATCHES,
-                          REMAT_POLICIES, ConfigError, RuntimeOptions)
+                          OBJECTIVES, REMAT_POLICIES, ConfigError, RuntimeOptions)
 
 SCHEDULES = ("cosine", "constant")
 RUNTIME_DEFAULTS = {f.name: getattr(RuntimeOptions(), f.name) for f in dataclasses.fields(RuntimeOptions)
@@ -228,7 +228,7 @@ SCHEMA = {
     "init_from": _optional(_str()), "log_every": _int(1), "ckpt_every": _int(1), "keep": _int(1),
     "async_checkpoint": _bool, "peak_tflops": _optional(_float(above=0)),
     "sample_prompt": _str(nonempty=False), "sample_tokens": _int(0), "qat": _bool,
-    "objective": _one_of("sft", "dpo", "grpo"), "eval_every": _int(0),
+    "objective": _one_of(*OBJECTIVES), "eval_every": _int(0),
     "data": {"path": _str(), "text_key": _str(), "tokenizer": _one_of("auto", "byte", "tiktoken"),
              "bpe_file": _optional(_str()), "pattern": _optional(_str()), "seq_len": _int(2),
              "batch_size": _int(1), "grad_accum": _int(1), "loader": _one_of("memory", "grain"),

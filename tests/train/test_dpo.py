@@ -195,7 +195,8 @@ def test_config_keys_of_the_objectives():
                             "dpo": {"loss": "simpo", "beta": 2, "gamma": 1}})
     assert tc["dpo"] == {"beta": 2.0, "loss": "simpo", "label_smoothing": 0.0, "gamma": 1.0}
     assert tconf.resolve({})["objective"] == "sft"
-    for over, why in [({"objective": "grpo"}, "train.objective: 'grpo' is not one of 'sft', 'dpo'"),
+    for over, why in [({"objective": "ppo"}, "train.objective: 'ppo' is not one of 'sft', 'dpo', 'grpo'"),
+                          ({"objective": "grpo"}, "objective 'grpo' renders its prompts in the chat format"),
                       ({"objective": "dpo"}, "train.data.format: 'text'"),
                       ({"objective": "dpo", "data": {"format": "chat"}, "dpo": {"loss": "ipo", "label_smoothing": 0.1}},
                        "train.dpo.label_smoothing: IPO"),
