@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The numbers in README.md, launch/README.md and docs/performance.md, regenerated from the code
+"""The numbers in README.md, launch/README.md, docs/performance.md and docs/post_training.md, regenerated from the code
 that computes them.
 
     python scripts/docs_tables.py           # rewrite every generated block in place
@@ -228,13 +228,32 @@ def lora_table() -> str:
     return "\n".join(lines)
 
 
+GRPO_FLAGS = ("--mesh", "v5p-1024", "--objective", "grpo", "--batch", "128", "--seq", "4096")
+GRPO_ROWS = [((), "full fine-tuning, no KL"), (("--kl-beta", "0.05"), ""),
+             (("--expert-format", "mxfp4", "--lora-rank", "16", "--kl-beta", "0.05"), "")]
+
+
+def grpo_table() -> str:
+    """K3 GRPO on v5p-1024: the update's plan and the rollout's, per device."""
+    lines = ["| flags | update | rollout (caches) | fits |", "|---|---|---|---|"]
+    for extra, label in GRPO_ROWS:
+        p = _json("plan", "configs/k3.yaml", *GRPO_FLAGS, *extra)
+        b, o = p["bytes_per_device"], p["detail"]["objective"]
+        update = sum(v for k, v in b.items() if k != "total")
+        ref = f" (reference copy {_g(b['reference'])})" if b["reference"] else ""
+        lines.append(f"| {label or '`' + ' '.join(extra) + '`'} | {_g(update)} GiB{ref} | "
+                     f"{_g(o['rollout_total'])} GiB ({_g(o['rollout_caches'])}) | {_fits(p)} |")
+    return "\n".join(lines)
+
+
 def blocks() -> dict[str, dict[str, str]]:
     """{file: {block name: text}} for every generated block."""
     rows = [(r, plan_row(*r)) for r in PLAN_ROWS]
     return {"README.md": {"params": param_table(), "plan-summary": plan_summary(rows), "lora-plan": lora_table()},
             "launch/README.md": {"presets": preset_table(), "ep-buffer": ep_buffer(),
                                  "plan-summary": plan_summary(rows)},
-            "docs/performance.md": {"plan-k3": plan_table(rows), "h200-full": h200_full()}}
+            "docs/performance.md": {"plan-k3": plan_table(rows), "h200-full": h200_full()},
+            "docs/post_training.md": {"grpo-plan": grpo_table()}}
 
 
 def _pattern(name: str):
