@@ -84,7 +84,7 @@ def rollout(cfg, params, prompts: PromptSet, picks, tok, rewards: Rewards, *, ma
     from k3jax.infer.engine import Engine, Request
     from k3jax.infer.sampling import SamplingParams
     stop = tok.token_id(END_OF_MSG) if stop is None else stop
-    eng = Engine(cfg, params, slots=max(1, min(slots, len(picks))), max_len=max_len, chunk=32, prefix_entries=0)
+    eng = Engine(cfg, params, slots=slots, max_len=max_len, chunk=32, prefix_entries=0)
     reqs = [Request(prompt=list(prompts.ids[i]), max_tokens=max_tokens, stop_ids=frozenset({stop}),
                     sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=int(s)))
             for i, s in zip(picks, seeds)]
@@ -160,10 +160,11 @@ class RolloutBatches:
         t = time.perf_counter()
         res = rollout(self.cfg, params, self.prompts, picks, self.tok, self.rewards, max_tokens=g["max_tokens"],
                       max_len=d["seq_len"], temperature=g["temperature"], top_p=g["top_p"], seeds=seeds,
-                      slots=g["rollout_slots"])
+                      slots=min(g["rollout_slots"], len(picks)))
         w = self._window
         w["rollout_s"] += time.perf_counter() - t
         rewards = np.array([r[2] for r in res], np.float64)
+        self.last_rewards = rewards             # the last rollout's, row by row (tests, debugging)
         lengths = [len(r[1]) for r in res]
         w["gen_tokens"] += sum(lengths)
         w["rewards"] += rewards.tolist()
@@ -220,12 +221,15 @@ class Evaluator:
         self.tc, self.ds, self.tok = tc, ds, tok
         self.rewards = Rewards(tc["grpo"]["rewards"], tc["grpo"]["reward_weights"])
         self.cfg = None
+        # the training rollouts' slot count, so both share one compiled engine step
+        d = tc["data"]
+        self.slots = min(tc["grpo"]["rollout_slots"], d["batch_size"] * d["grad_accum"])
 
     def __call__(self, params) -> dict:
         g = self.tc["grpo"]
         res = rollout(self.cfg, params, self.ds, np.arange(self.ds.n_rows), self.tok, self.rewards,
                       max_tokens=g["max_tokens"], max_len=self.tc["data"]["seq_len"], temperature=0.0, top_p=1.0,
-                      seeds=[0] * self.ds.n_rows, slots=g["rollout_slots"])
+                      seeds=[0] * self.ds.n_rows, slots=self.slots)
         return {"eval_reward": float(np.mean([r[2] for r in res])),
                 "eval_solved": float(np.mean([all(x >= 1.0 for x in r[3]) for r in res])),
                 "eval_length": float(np.mean([len(r[1]) for r in res])), "eval_prompts": len(res)}
