@@ -97,6 +97,23 @@ def _lora_section(opt: PlanOptions) -> dict:
                      "targets": list(opt.lora_targets) if opt.lora_targets is not None else None}}
 
 
+def _objective_section(opt: PlanOptions, batch: int) -> dict:
+    """The train config's objective keys a PlanOptions implies: DPO and GRPO read chat rows;
+    GRPO's groups are as large as divides the step's completions (up to the default 8), its
+    KL term on with opt.kl_beta (the batch then carries the reference's log-probs)."""
+    if opt.objective == "sft":
+        return {}
+    out = {"objective": opt.objective, "data": {"format": "chat"}}
+    if opt.objective == "grpo":
+        group = max(g for g in range(2, 9) if batch % g == 0) if batch % 2 == 0 else None
+        if group is None:
+            raise ConfigError(f"--batch {batch}: GRPO samples groups of >= 2 completions per prompt; give an even batch")
+        # the update's rows are [B, seq] whatever the completions' length; max_tokens only has
+        # to leave a prompt room, as train checks
+        out["grpo"] = {"group_size": group, "kl_beta": opt.kl_beta, "max_tokens": min(64, opt.seq // 2)}
+    return out
+
+
 def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, overrides: dict | None = None,
                   physical: bool = True) -> Program:
     """`k3jax train --mesh` 's step for `opt.batch` × `opt.seq` tokens, as `opt.grad_accum`
@@ -116,6 +133,7 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
     batch = micro * accum
     section = {"data": {"seq_len": opt.seq, "batch_size": micro, "grad_accum": accum}, "runtime": _runtime(opt),
                **_lora_section(opt)}
+    section = _merge(section, _objective_section(opt, batch=micro * accum))
     if opt.freeze:
         section["optimizer"] = {"freeze": list(opt.freeze)}
     tc = tconf.resolve(_merge(k3.train, section), overrides)
@@ -125,17 +143,15 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
         tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
                                           tc["lora"] if cfg.runtime.lora is not None else None)
         train_step = tstep.make_train_step(cfg, tc, tx, groups)
-        rows = loop.accum_batch_sharding((mesh, rules))
+        from k3jax.train import objectives    # the step's batch as the loop lays it out (GRPO's and DPO's extras)
+        spec = objectives.batch_spec(cfg, tc)
+        rows = loop.accum_batch_shardings((mesh, rules), spec)
         opt_sh = loop.optimizer_shardings(tx, params, groups)
         state_sh, step = loop.sharded_train_step((mesh, rules), params, tx, groups, train_step, rows, opt_sh)
         opt_state = jax.tree.map(_sds, jax.eval_shape(lambda p: tstep.opt_init(tx, p, groups), params), opt_sh)
     state = tstep.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=state_sh.step),
                              params=params, opt_state=opt_state)
-    d = tc["data"]
-    shape = (d["grad_accum"], d["batch_size"], d["seq_len"])
-    batch_in = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows)
-                for k, dt in (("tokens", jnp.int32), ("targets", jnp.int32), ("segment_ids", jnp.int32),
-                              ("loss_mask", jnp.float32))}
+    batch_in = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rows[k]) for k, (shape, dt) in spec.items()}
     return Program("train", step, (state, batch_in), mesh, rules, cfg, tokens=batch * opt.seq, batch=batch,
                    seq=opt.seq, new_tokens=opt.seq, tc=tc)
 

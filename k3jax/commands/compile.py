@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from k3jax.commands.plan import add_grad_accum, add_trained_flags
+from k3jax.commands.plan import add_grad_accum, add_objective_flags, add_trained_flags
 from k3jax.commands import add_expert_format, number
 
 
@@ -51,6 +51,7 @@ def register(sub):
     p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
                    help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")
     add_trained_flags(p)
+    add_objective_flags(p)
     p.add_argument("--prefill-chunk", type=number(int, 1), default=2048, help="prefill: tokens per device per chunk")
     p.add_argument("--depths", type=number(int, 1), nargs=2, metavar=("N1", "N2"), default=None,
                    help="compile at these scanned-group counts and extrapolate to full depth "
@@ -144,7 +145,8 @@ def run(args) -> int:
                       lora_rank=args.lora_rank, lora_expert_rank=args.lora_expert_rank,
                       lora_expert_mode=args.lora_expert_mode,
                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze))
+                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze), objective=args.objective,
+                      rollout_slots=args.rollout_slots, kl_beta=args.kl_beta)
     # training runs the layout `k3jax train --mesh` picks (a train or context preset)
     total_params = count_params(k3.text, k3.layout)["total"]
     if args.mode == "train":   # the planner's microbatch count where none is given

@@ -158,12 +158,15 @@ def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding
     return state, step
 
 
-def accum_batch_sharding(mesh):
-    """Sharding of the step's [grad_accum, batch, length] inputs under (mesh, rules)."""
+def accum_batch_shardings(mesh, spec: dict) -> dict:
+    """Sharding of each of the step's inputs under (mesh, rules), by key of `spec`
+    (objectives.batch_spec): [grad_accum, batch, length] rows over the batch and length
+    axes, and per-row values (GRPO's advantages, [grad_accum, batch]) over the batch axes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from k3jax import sharding
-    return NamedSharding(mesh[0], P(None, *sharding.batch_sharding(*mesh).spec))
+    rows = (None, *sharding.batch_sharding(*mesh).spec)
+    return {k: NamedSharding(mesh[0], P(*rows[:len(shape)])) for k, (shape, _) in spec.items()}
 
 
 def run_model_config(k3, tc: dict):
@@ -356,14 +359,14 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         state = tstep.init_state(params, tx, groups)
         place_batch = lambda b: b  # noqa: E731
     else:
-        rows = accum_batch_sharding(mesh)  # [accum, B, T]
+        spec = objectives.batch_spec(cfg, tc)
+        rows = accum_batch_shardings(mesh, spec)  # {key: sharding of its [accum, B, T] or [accum, B]}
         if batches.local:   # a streamed loader gives each process the rows of its own devices
-            spec = objectives.batch_spec(cfg, tc)
-            place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows, v, spec[k][0])  # noqa: E731
+            place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows[k], v, spec[k][0])  # noqa: E731
                                      for k, v in b.items()}
         else:               # every process computes the same global batch from (seed, step) and
             # hands over only the slices its own devices hold
-            place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i])  # noqa: E731
+            place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows[k], lambda i, v=v: v[i])  # noqa: E731
                                      for k, v in b.items()}
         state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
         del params
@@ -393,8 +396,8 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         # compiled ahead of the loop: with the shardings pinned this is the one compile, and a
         # batch or state that did not match it would be an error rather than a recompile
         t = time.perf_counter()
-        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-                                              for k, (shape, dtype) in objectives.batch_spec(cfg, tc).items()}).compile()
+        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows[k])
+                                              for k, (shape, dtype) in spec.items()}).compile()
         log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
         barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 

@@ -72,3 +72,23 @@ def test_a_compiled_step_takes_the_microbatches_it_was_given():
     tokens, single = prog.args[1]["tokens"], one.args[1]["tokens"]
     assert tokens.shape == (2, 8, 64) and single.shape == (1, 8, 64)
     assert tokens.sharding.spec == single.sharding.spec and prog.mesh.shape == one.mesh.shape
+
+
+@pytest.mark.slow
+def test_a_grpo_step_takes_the_rollout_batch():
+    """`k3jax compile --objective grpo --kl-beta B`'s program is train's GRPO update: its batch
+    carries the rollout's advantages [A, B] and the old policy's and reference's per-target
+    log-probs [A, B, T] beside the rows, placed as the rows are, and it lowers with them."""
+    k3 = _small_k3()
+    devices = jax.devices()[:8]
+    prog = programs.train_program(k3, "b300x8", devices, PlanOptions(batch=8, seq=64, optimizer="muon",
+                                                                    objective="grpo", kl_beta=0.05))
+    assert prog.tc["objective"] == "grpo" and prog.tc["grpo"]["group_size"] == 8
+    assert prog.tc["grpo"]["kl_beta"] == 0.05 and prog.tc["data"]["format"] == "chat"
+    batch = prog.args[1]
+    assert batch["advantages"].shape == (1, 8)
+    for k in ("old_logp", "ref_logp"):
+        assert batch[k].shape == (1, 8, 64) and batch[k].sharding.spec == batch["tokens"].sharding.spec
+    text = prog.lower().as_text()      # it lowers with them, as the step's own arguments
+    assert text.count("tensor<1x8x64xf32>") >= 3          # loss mask, old and reference log-probs
+    assert "tensor<1x8xf32>" in text                      # the advantages
