@@ -38,3 +38,17 @@ def jsonl_records(path):
     for n, line in enumerate(read_text(path).splitlines(), 1):
         if line.strip():
             yield n, json_line(line, f"{path}:{n}")
+
+
+def jsonl_files(path: str, what: str) -> list[str]:
+    """The .jsonl files `path` names: the file itself, or every .jsonl file of a folder
+    (sorted; local or a URL through etils.epath). `what` names the data in the errors."""
+    p = epath.Path(path)
+    if p.is_dir():
+        files = sorted(str(f) for f in p.iterdir() if f.name.endswith(".jsonl"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no .jsonl files")
+        return files
+    if not p.exists():
+        raise FileNotFoundError(f"{what} {path!r} not found")
+    return [str(path)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from k3jax.chat.images import image_size, user_images
 from k3jax.chat.sft import sft_example
-from k3jax.textfiles import jsonl_records
+from k3jax.textfiles import jsonl_files, jsonl_records
 from k3jax.errors import InputError
 
 ROW_OPTIONS = ("thinking", "thinking_effort", "tool_choice", "response_format")
@@ -30,15 +30,13 @@ ROW_OPTIONS = ("thinking", "thinking_effort", "tool_choice", "response_format")
 def read_conversations(path: str) -> list[tuple[str, str, dict]]:
     """(where, folder, row) of each conversation in a .jsonl file or a folder of them
     (local or a URL read through etils.epath); `where` is `file:line` for error messages."""
-    from etils import epath
-    p = epath.Path(path)
-    if p.is_dir():
-        files = sorted(str(f) for f in p.iterdir() if f.name.endswith(".jsonl"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no .jsonl files")
-        return [r for f in files for r in read_conversations(f)]
-    if not p.exists():
-        raise FileNotFoundError(f"dataset {path!r} not found")
+    out = []
+    for file in jsonl_files(path, "dataset"):
+        out += _read_conversations_of(file)
+    return out
+
+
+def _read_conversations_of(path: str) -> list[tuple[str, str, dict]]:
     out = []
     for n, row in jsonl_records(path):
         where = f"{path}:{n}"

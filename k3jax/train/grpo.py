@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.errors import InputError
-from k3jax.textfiles import jsonl_records
+from k3jax.textfiles import jsonl_files, jsonl_records
 
 METRICS = ("kl", "clip_fraction", "ratio")
 
@@ -35,15 +35,13 @@ METRICS = ("kl", "clip_fraction", "ratio")
 def read_prompts(path: str) -> list[tuple[str, dict]]:
     """(file:line, record) of each prompt of a .jsonl file or a folder of them: an object with
     a non-empty `messages` list of message objects (the rest is for the rewards)."""
-    from etils import epath
-    p = epath.Path(path)
-    if p.is_dir():
-        files = sorted(str(f) for f in p.iterdir() if f.name.endswith(".jsonl"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no .jsonl files")
-        return [r for f in files for r in read_prompts(f)]
-    if not p.exists():
-        raise FileNotFoundError(f"prompt data {path!r} not found")
+    out = []
+    for file in jsonl_files(path, "prompt data"):
+        out += _read_prompts_of(file)
+    return out
+
+
+def _read_prompts_of(path: str) -> list[tuple[str, dict]]:
     out = []
     for n, row in jsonl_records(path):
         where = f"{path}:{n}"

@@ -507,8 +507,11 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
             f"exit code {rc}: rerun the same command to resume")
     if rc == 0 and last_loss is not None:
-        log(f"done: loss {first_loss:.4f} -> {last_loss:.4f} "
-            f"({100 * (1 - last_loss / first_loss):.1f}% lower) in {time.perf_counter() - t0:.0f} s")
+        # GRPO's loss is ~0 each step by construction (group-normalised advantages, ratio 1
+        # on a fresh rollout): a relative change says nothing; its progress is the reward
+        change = ("" if objectives.is_grpo(tc) or first_loss <= 0 else
+                  f" ({100 * (1 - last_loss / first_loss):.1f}% lower)")
+        log(f"done: loss {first_loss:.4f} -> {last_loss:.4f}{change} in {time.perf_counter() - t0:.0f} s")
         if tc["sample_tokens"] and jax.process_count() > 1:
             log("sample: skipped (the end-of-run sample runs single-process only)")
         elif tc["sample_tokens"] and d["format"] == "chat":

@@ -28,7 +28,7 @@ from k3jax.chat.rendering import render_spans
 from k3jax.chat.sft import sft_segments
 from k3jax.chat.tokenizing import segment_ids
 from k3jax.errors import InputError
-from k3jax.textfiles import jsonl_records
+from k3jax.textfiles import jsonl_files, jsonl_records
 from k3jax.train.data import PackedDataset, rows_to_batch
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -38,15 +38,13 @@ CHOSEN, REJECTED = 1, 2          # segment ids of a row's two conversations
 def read_pairs(path: str) -> list[tuple[str, dict]]:
     """(file:line, record) of each pair of a .jsonl file or a folder of them, the record's
     shape checked (the messages themselves are checked when rendered)."""
-    from etils import epath
-    p = epath.Path(path)
-    if p.is_dir():
-        files = sorted(str(f) for f in p.iterdir() if f.name.endswith(".jsonl"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no .jsonl files")
-        return [r for f in files for r in read_pairs(f)]
-    if not p.exists():
-        raise FileNotFoundError(f"preference data {path!r} not found")
+    out = []
+    for file in jsonl_files(path, "preference data"):
+        out += _read_pairs_of(file)
+    return out
+
+
+def _read_pairs_of(path: str) -> list[tuple[str, dict]]:
     out = []
     for n, row in jsonl_records(path):
         where = f"{path}:{n}"
