@@ -15,7 +15,21 @@ import numpy as np
 from k3jax.train.data import PackedDataset, build_dataset
 
 
-class MemoryBatches:
+class Recomputed:
+    """A batch source whose batches follow from (seed, step) and what the loop hands it: a
+    checkpoint carries nothing of it, and it holds nothing to close."""
+
+    def state(self):
+        return None
+
+    def restore(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryBatches(Recomputed):
     """The in-memory path (`data.loader: memory`, for corpora that fit in host memory and for
     tests; documents or chat conversations): every process packs the whole corpus and
     computes the global batch of a step from (seed, step) alone, so nothing needs saving
@@ -35,15 +49,6 @@ class MemoryBatches:
 
     def batch(self, step: int) -> dict:
         return self.ds.batch(self.seed, step, self.d["batch_size"], self.d["grad_accum"])
-
-    def state(self):
-        return None
-
-    def restore(self, state) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def batch_spec(d: dict) -> dict:

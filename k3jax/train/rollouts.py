@@ -34,6 +34,7 @@ from k3jax.chat.packing import ROW_OPTIONS
 from k3jax.chat.parsing import parse_reply
 from k3jax.errors import InputError
 from k3jax.tokenizer import END_OF_MSG
+from k3jax.train.batches import Recomputed
 from k3jax.train.data import rows_to_batch
 from k3jax.train.grpo import group_advantages, read_prompts
 from k3jax.train.rewards import Rewards
@@ -115,7 +116,7 @@ def pack_rows(results, width: int, pad_id: int):
     return b
 
 
-class RolloutBatches:
+class RolloutBatches(Recomputed):
     """The loop's batch source for GRPO (batches.MemoryBatches' interface; `needs_params`:
     the loop hands `batch` the current params, objectives.batch_for)."""
 
@@ -201,15 +202,6 @@ class RolloutBatches:
         self._window = {"rollout_s": 0.0, "gen_tokens": 0, "update_tokens": 0, "rewards": [], "lengths": [],
                         "stopped": 0, "n": 0}
         return out
-
-    def state(self):
-        return None
-
-    def restore(self, state) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Evaluator:
