@@ -93,8 +93,13 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weights():
 
     fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
     g_lora = jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad})))(params[M.LORA_KEY])
-    merged = lora_merged_params(cfg, params)
-    g_w = jax.grad(lambda p: loss(fwd(_cfg(), p)))(merged)
+    # dW at the adapted forward itself: the gradient of the base weight the adapters add to
+    # (W + s·B·A enters every product as W does). The merged model's own dW equals it up to
+    # fp32 rounding of a second forward (test_adapted_model_equals_merged_weights holds the
+    # forwards equal); differencing two forwards through 13 layers measured 1.2e-4 on an AVX2
+    # machine, rounding, not the chain rule
+    base = {k: v for k, v in params.items() if k != M.LORA_KEY}
+    g_w = jax.grad(lambda p: loss(fwd(cfg, {**p, M.LORA_KEY: params[M.LORA_KEY]})))(base)
     checked = 0
     for path, ga in jax.tree_util.tree_leaves_with_path(g_lora):
         keys = [k.key for k in path]
@@ -226,7 +231,12 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
         y = fn(cfgl, functools.partial(glu_activation, cfgl), z, idx, w, weights, ad)
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1))
-    (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, ad)
+    # the dense oracle in float64: the sharded fp32 result is held to exact arithmetic, not
+    # to a second fp32 result whose rounding (the CPU's dot kernels) differs by machine
+    with jax.enable_x64(True):
+        wide = lambda t: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), t)  # noqa: E731
+        (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(wide(z), wide(ad))
+        y0, g0 = np.asarray(y0), jax.tree.map(np.asarray, g0)
     mesh, rules = sharding.load_mesh(preset)
     with sharding.use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(f, md.DISPATCH[dispatch])))(z, ad)
