@@ -44,7 +44,7 @@ class PlanOptions:
     lora_optimizer: str = "adamw"
     freeze: tuple[str, ...] = ()     # optimizer.freeze globs
     objective: str = "sft"           # train config objective: 'sft' | 'dpo' | 'grpo' (objective_bytes)
-    rollout_slots: int | None = None  # grpo: the rollout engine's slots (grpo.rollout_slots; None: --batch)
+    rollout_slots: int | None = None  # grpo: the rollout engine's slots (None: train's, objective_bytes)
     kl_beta: float = 0.0             # grpo.kl_beta: > 0 without LoRA keeps a copy of the params
 
     def __post_init__(self):
@@ -324,26 +324,30 @@ def objective_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, micr
                     params_bytes: int) -> dict:
     """Per-device bytes the objective adds to the SFT step's plan (k3jax.train.objectives).
 
-    - dpo: the reference's per-target fp32 log-probs beside each microbatch's rows (`ref_logp`;
+    - dpo: the reference's per-target fp32 log-probs beside the step's rows (`ref_logp`;
       with LoRA the reference forward runs inside the step without a gradient, before the
       policy's, so its activations are gone when the policy's are saved; without LoRA one
       pass over the pairs before the first step computes them, an inference program).
-    - grpo: the rollout batch's `old_logp` (and with grpo.kl_beta `ref_logp`) per target and its
-      advantages; `reference_params`: a full copy of the params where kl_beta > 0 without
-      LoRA (the initial params, kept for the KL); and the rollout, a separate program run
-      between updates while the params and optimizer state stay live but no gradient or
-      activation does: caches for `rollout_slots` sequences of `seq` tokens (KDA state, conv
-      tails, MLA latent) plus one decode step's activations (`rollout_peak`)."""
+    - grpo: the rollout batch's `old_logp` (and with grpo.kl_beta `ref_logp`) per target
+      (its advantages, one value a row, are not counted); `reference_params`: a full copy of
+      the params where kl_beta > 0 without LoRA (the initial params, kept for the KL); and
+      the rollout, a separate program run between updates while the params and optimizer
+      state stay live but no gradient or activation does: caches for `rollout_slots`
+      sequences of `seq` tokens (KDA state, conv tails, MLA latent) plus one decode step's
+      activations (`rollout_peak`). Its slots default as train's: grpo.rollout_slots' default,
+      at most the step's completions.
+    The step's batch holds all its microbatches: per-target values count grad_accum times."""
     if opt.objective == "sft":
         return {}
+    from k3jax.train.config import DEFAULTS
     sizes = preset.shape(opt.devices)
-    tokens = micro * opt.seq / logical_shards(preset.rules, sizes, ("batch", "length"))
+    targets = micro * opt.seq / logical_shards(preset.rules, sizes, ("batch", "length")) * (opt.grad_accum or 1)
     if opt.objective == "dpo":
-        return {"reference_logps": int(tokens * 4)}
+        return {"reference_logps": int(targets * 4)}
     per_target = 2 if opt.kl_beta > 0 else 1            # old_logp, ref_logp
-    out = {"rollout_logps": int(tokens * 4 * per_target * (opt.grad_accum or 1)),
+    out = {"rollout_logps": int(targets * 4 * per_target),
            "reference_params": params_bytes if opt.kl_beta > 0 and not opt.lora_rank else 0}
-    slots = opt.rollout_slots or batch
+    slots = opt.rollout_slots or min(DEFAULTS["grpo"]["rollout_slots"], batch)
     caches = cache_bytes(cfg, preset, opt, slots)
     decode = dataclasses.replace(opt, mode="infer", objective="sft", prefill_chunk=1, batch=slots, grad_accum=1)
     act = activation_bytes(cfg, preset, decode, slots)

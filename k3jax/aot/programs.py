@@ -99,18 +99,22 @@ def _lora_section(opt: PlanOptions) -> dict:
 
 def _objective_section(opt: PlanOptions, batch: int) -> dict:
     """The train config's objective keys a PlanOptions implies: DPO and GRPO read chat rows;
-    GRPO's groups are as large as divides the step's completions (up to the default 8), its
-    KL term on with opt.kl_beta (the batch then carries the reference's log-probs)."""
+    GRPO's groups are the largest that divide the step's completions, up to train's default
+    group_size; its KL term is on with opt.kl_beta (the batch then carries the reference's
+    log-probs)."""
+    from k3jax.train.config import DEFAULTS
     if opt.objective == "sft":
         return {}
     out = {"objective": opt.objective, "data": {"format": "chat"}}
     if opt.objective == "grpo":
-        group = max(g for g in range(2, 9) if batch % g == 0) if batch % 2 == 0 else None
-        if group is None:
+        g = DEFAULTS["grpo"]
+        groups = [n for n in range(g["group_size"], 1, -1) if batch % n == 0]
+        if not groups:
             raise ConfigError(f"--batch {batch}: GRPO samples groups of >= 2 completions per prompt; give an even batch")
         # the update's rows are [B, seq] whatever the completions' length; max_tokens only has
         # to leave a prompt room, as train checks
-        out["grpo"] = {"group_size": group, "kl_beta": opt.kl_beta, "max_tokens": min(64, opt.seq // 2)}
+        out["grpo"] = {"group_size": groups[0], "kl_beta": opt.kl_beta,
+                       "max_tokens": min(g["max_tokens"], opt.seq // 2)}
     return out
 
 

@@ -24,12 +24,13 @@ def add_trained_flags(p):
 def add_objective_flags(p):
     """The train config's objective and what it keeps beside the step (plan and compile)."""
     from k3jax.config import OBJECTIVES
+    from k3jax.train.config import DEFAULTS
     p.add_argument("--objective", choices=OBJECTIVES, default="sft",
                    help="train: the objective (dpo adds the reference's log-probs; grpo the rollout's "
                         "caches and log-probs, and with --kl-beta and no LoRA a copy of the params)")
     p.add_argument("--rollout-slots", type=number(int, 1), default=None, metavar="N",
-                   help="grpo: sequences the rollout engine holds at once (grpo.rollout_slots; default --batch: "
-                        "every completion of a step)")
+                   help="grpo: sequences the rollout engine holds at once (grpo.rollout_slots; default train's: "
+                        f"{DEFAULTS['grpo']['rollout_slots']}, at most the step's completions)")
     p.add_argument("--kl-beta", type=number(float, 0), default=0.0,
                    help="grpo: grpo.kl_beta (> 0 without LoRA keeps the initial params as the reference)")
 
