@@ -1,5 +1,8 @@
 """Shared test utilities: where the golden fixtures live, and error metrics."""
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +121,13 @@ def two_shard_multimodal_checkpoint(dest: Path) -> tuple[Path, Path, Path]:
     (dest / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     return dest, b, v
 
+
+
+def train_subprocess(cfg, out, name, env, *extra):
+    """`k3jax train CFG output_dir=OUT run_name=NAME ...` in a subprocess (it must succeed):
+    ({step: metrics line}, its stdout)."""
+    cmd = [sys.executable, "-m", "k3jax.cli", "train", str(cfg), f"output_dir={out}", f"run_name={name}", *extra]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(os.path.join(out, name, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}, p.stdout

@@ -7,14 +7,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from k3jax.train.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, ROOT, need
+from helpers import FAST_COMPILE, FIXTURES, need, train_subprocess
 
 PAIRS = [({"role": "user", "content": f"{mode}: {w}"}, w.upper() if mode == "Upper" else w,
           w if mode == "Upper" else w.upper()) for w in ("river", "stone") for mode in ("Upper", "Lower")]
@@ -27,13 +25,6 @@ def _write_pairs(path, pairs):
                                 "rejected": [{"role": "assistant", "content": bad}]}) + "\n")
     return str(path)
 
-
-def _train(cfg, out, name, env, *extra):
-    cmd = [sys.executable, "-m", "k3jax.cli", "train", cfg, f"output_dir={out}", f"run_name={name}", *extra]
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    with open(os.path.join(out, name, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f)}, p.stdout
 
 
 @pytest.mark.slow
@@ -49,7 +40,7 @@ def test_lora_dpo_on_fixture_b_starts_at_log2_and_resumes_exactly(tmp_path):
              "lora": {"rank": 4, "alpha": 8.0, "lr": 0.02}}
     cfg = write_variant(str(tmp_path / "b.yaml"), base=str(b / "config.json"), train=train)
     env = dict(os.environ, K3JAX_COMPILE_CACHE=str(tmp_path / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
-    ref, out = _train(cfg, tmp_path, "run", env)
+    ref, out = train_subprocess(cfg, tmp_path, "run", env)
     assert "reference the base with adapters off" in out
     assert sorted(ref) == [1, 2, 3]
     assert ref[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)     # policy = reference at B = 0
@@ -59,7 +50,7 @@ def test_lora_dpo_on_fixture_b_starts_at_log2_and_resumes_exactly(tmp_path):
     # command resumes from step 1 and logs the same losses and DPO metrics
     for s in (2, 3):
         shutil.rmtree(tmp_path / "run" / "checkpoints" / str(s))
-    again, out = _train(cfg, tmp_path, "run", env)
+    again, out = train_subprocess(cfg, tmp_path, "run", env)
     assert "resumed from step 1" in out
     for s in (2, 3):
         for k in ("loss", "grad_norm", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp"):
