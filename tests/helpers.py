@@ -17,6 +17,8 @@ REFERENCE_CONFIG = SHARED / "reference" / "kimi-k3" / "config.json"
 # slowest tests). Level 0 was faster still but stops fusing multiply-adds, which moved
 # sharded-vs-single-device comparisons by an ulp (init bitwise, 1.02e-5 on a 1e-5 bar).
 FAST_COMPILE = "--xla_backend_optimization_level=1"
+# Tests of minutes each that repeat what faster ones check; run them with K3JAX_LONG_TESTS=1
+LONG = pytest.mark.skipif(not os.environ.get("K3JAX_LONG_TESTS"), reason="long: set K3JAX_LONG_TESTS=1")
 
 
 def need(path: Path) -> Path:

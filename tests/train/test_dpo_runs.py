@@ -1,8 +1,8 @@
 """A LoRA DPO run over fixture B's MXFP4 base, end to end as `k3jax train` subprocesses: its
 first step is the reference's own (adapters start at B = 0, and the reference is the base
-with them off: the loss is log 2), the loss falls, and a run stopped mid-way resumes to the
-same losses and metrics as the uninterrupted one (opt-in: K3JAX_LONG_TESTS=1). (Evaluation is checked in test_dpo.py: its
-compiles would double this test's time.)"""
+with them off: the loss is log 2), the loss falls, and (opt-in, K3JAX_LONG_TESTS=1) a run
+stopped mid-way resumes to the same losses and metrics as the uninterrupted one. (Evaluation
+is checked in test_dpo.py: its compiles would double this test's time.)"""
 import json
 import math
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from k3jax.train.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, need, train_subprocess
+from helpers import FAST_COMPILE, FIXTURES, LONG, need, train_subprocess
 
 PAIRS = [({"role": "user", "content": f"{mode}: {w}"}, w.upper() if mode == "Upper" else w,
           w if mode == "Upper" else w.upper()) for w in ("river", "stone") for mode in ("Upper", "Lower")]
@@ -27,7 +27,8 @@ def _write_pairs(path, pairs):
 
 
 
-def _config(tmp_path):
+def _first_run(tmp_path):
+    """(config path, environment, metrics by step) of the first run, its own checks passed."""
     b = need(FIXTURES / "fixture_b")
     train = {"objective": "dpo", "steps": 3, "log_every": 1, "ckpt_every": 1, "keep": 10, "sample_tokens": 0,
              "peak_tflops": 1.0, "init_from": str(b),
@@ -39,11 +40,6 @@ def _config(tmp_path):
              "lora": {"rank": 4, "alpha": 8.0, "lr": 0.02}}
     cfg = write_variant(str(tmp_path / "b.yaml"), base=str(b / "config.json"), train=train)
     env = dict(os.environ, K3JAX_COMPILE_CACHE=str(tmp_path / "xla"), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
-    return cfg, env
-
-
-def _first_run(tmp_path):
-    cfg, env = _config(tmp_path)
     ref, out = train_subprocess(cfg, tmp_path, "run", env)
     assert "reference the base with adapters off" in out
     assert sorted(ref) == [1, 2, 3]
@@ -59,7 +55,7 @@ def test_lora_dpo_on_fixture_b_starts_at_log2_and_learns(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("K3JAX_LONG_TESTS"), reason="long (~6 min): set K3JAX_LONG_TESTS=1")
+@LONG
 def test_lora_dpo_on_fixture_b_resumes_exactly(tmp_path):
     """Opt-in: a second `k3jax train` doubles the time (~3 min each on 2 cores, mostly
     compiling). Resuming itself is the train loop's, checked on the toy in test_train_loop

@@ -14,7 +14,7 @@ import pytest
 
 from k3jax.train.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, need, train_subprocess
+from helpers import FAST_COMPILE, FIXTURES, LONG, need, train_subprocess
 
 REWARD = '''
 def letters(record, reply):
@@ -25,7 +25,7 @@ def letters(record, reply):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("K3JAX_LONG_TESTS"), reason="long (~8 min): set K3JAX_LONG_TESTS=1")
+@LONG
 def test_lora_grpo_on_fixture_b_resumes_exactly(tmp_path):
     b = need(FIXTURES / "fixture_b")
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
