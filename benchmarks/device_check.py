@@ -13,6 +13,13 @@ Sections (each reported, a failure never stops the rest; a section that would st
                 fla chunk_kda 4.84 ms and FlashKDA 2.62 ms at T=8192, H=96 on an H20; goal
                 on an H200 ≤ 3.3 ms.
   kda_backward  gradients of pallas vs chunk (relative RMS per input), forward+backward times.
+  gmm           the bf16/fp32 grouped matmul kernels (pallas_kernels/gmm: gmm forward, gmm
+                through Wᵀ for dx, tgmm for dW) through grouped_matmul's custom VJP: values
+                and all three gradients in fp32 against a float64 oracle on ragged group sizes
+                with empty experts and rows past Σ sizes (≤ 1e-5 relative, DESIGN.md's fp32-op
+                bar; an empty expert's dW exactly 0); then at a device's share of K3's experts
+                (56 of [3584, 3072], bf16) forward and forward+backward times beside
+                `lax.ragged_dot` and its autodiff (whose dW XLA makes a dense product).
   mxfp4_gmm     the fused MXFP4 grouped matmul (pallas_kernels/mxfp4_gmm) against its pure
                 path and bf16 grouped_matmul on the dequantized experts, K3's expert shapes
                 (a device's share: 56 experts of [3072, 3584]).
@@ -127,6 +134,78 @@ def section_kda_backward(a):
     return out
 
 
+def _ragged_sizes(rng, M, E, n_empty, leftover):
+    """Group sizes summing to M - leftover with n_empty zero groups, uneven otherwise."""
+    weights = rng.dirichlet(np.full(E, 0.5))
+    weights[rng.choice(E, n_empty, replace=False)] = 0.0
+    sizes = np.floor(weights / weights.sum() * (M - leftover)).astype(np.int64)
+    sizes[np.argmax(sizes)] += M - leftover - sizes.sum()
+    return sizes
+
+
+def section_gmm(a):
+    from k3jax.ops.grouped_matmul import grouped_matmul
+    rng = np.random.default_rng(6)
+    # values and gradients: fp32 against a float64 oracle, ragged sizes, empty experts,
+    # rows past the sum, no dimension a multiple of a tile
+    E, M, K, N = a.gmm_check
+    sizes = _ragged_sizes(rng, M, E, n_empty=2, leftover=5)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((E, K, N)).astype(np.float32) / np.sqrt(K)
+    dy = rng.standard_normal((M, N)).astype(np.float32)
+    group = np.repeat(np.arange(E), sizes)
+    n = sizes.sum()
+    x64, w64, dy64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    y_ref = np.zeros((M, N))
+    y_ref[:n] = np.einsum("mk,mkn->mn", x64[:n], w64[group])
+    dx_ref = np.zeros((M, K))
+    dx_ref[:n] = np.einsum("mn,mkn->mk", dy64[:n], w64[group])
+    dw_ref = np.zeros((E, K, N))
+    np.add.at(dw_ref, group, np.einsum("mk,mn->mkn", x64[:n], dy64[:n]))
+
+    def loss(x, w):
+        return jnp.sum(grouped_matmul(x, w, jnp.asarray(sizes), impl="pallas") * dy)
+    y = jax.jit(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes), impl="pallas"))(x, w)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    dw = np.asarray(dw)
+    empty = np.flatnonzero(sizes == 0)
+    out = {"check_shape": {"E": E, "M": M, "K": K, "N": N, "empty_experts": empty.tolist(),
+                           "rows_past_sum": int(M - n)},
+           "fp32_vs_float64": {"y": rel_rms(y, y_ref), "dx": rel_rms(dx, dx_ref), "dw": rel_rms(dw, dw_ref)},
+           "empty_experts_dw_max_abs": float(np.max(np.abs(dw[empty]))),
+           "rows_past_sum_y_max_abs": float(np.max(np.abs(np.asarray(y)[n:]))) if n < M else 0.0,
+           "tolerance": 1e-5}
+    ok = (max(out["fp32_vs_float64"].values()) <= 1e-5 and out["empty_experts_dw_max_abs"] == 0.0
+          and out["rows_past_sum_y_max_abs"] == 0.0)
+
+    # speed at a device's share of K3's experts, bf16
+    E, M, K, N = a.gmm_experts, a.gmm_speed_rows, a.gmm_k, a.gmm_n
+    sizes = jnp.asarray(_ragged_sizes(rng, M, E, n_empty=1, leftover=0), jnp.int32)
+    xb = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    wb = jnp.asarray(rng.standard_normal((E, K, N)) / np.sqrt(K), jnp.bfloat16)
+    dyb = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+    fwd = {"pallas": lambda x, w: grouped_matmul(x, w, sizes, impl="pallas"),
+           "ragged_dot": lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32
+                                                         ).astype(jnp.bfloat16)}
+    fwd_j = {k: jax.jit(f) for k, f in fwd.items()}
+    bwd_j = {k: jax.jit(jax.grad(lambda x, w, f=f: jnp.sum(f(x, w).astype(jnp.float32) * dyb), argnums=(0, 1)))
+             for k, f in fwd.items()}
+    yp, yr = (np.asarray(fwd_j[k](xb, wb), np.float32) for k in ("pallas", "ragged_dot"))
+    gp, gr = (jax.device_get(bwd_j[k](xb, wb)) for k in ("pallas", "ragged_dot"))
+    flops = 2 * M * K * N
+    ms_f = {k: 1e3 * timed(lambda f=f: f(xb, wb), a.reps) for k, f in fwd_j.items()}
+    ms_b = {k: 1e3 * timed(lambda f=f: f(xb, wb), a.reps) for k, f in bwd_j.items()}
+    out.update({"speed_shape": {"E": E, "M": M, "K": K, "N": N, "dtype": "bfloat16"},
+                "bf16_pallas_vs_ragged_dot": {"y": rel_rms(yp, yr), "dx": rel_rms(gp[0], gr[0]),
+                                              "dw": rel_rms(gp[1], gr[1])},
+                "bf16_tolerance": 1e-2,
+                "ms_forward": ms_f, "ms_forward_backward": ms_b,
+                "tflops_forward": {k: flops / (v * 1e-3) / 1e12 for k, v in ms_f.items()},
+                "tflops_forward_backward": {k: 3 * flops / (v * 1e-3) / 1e12 for k, v in ms_b.items()}})
+    out["ok"] = bool(ok and max(out["bf16_pallas_vs_ragged_dot"].values()) <= 1e-2)
+    return out
+
+
 def section_mxfp4_gmm(a):
     from k3jax.checkpoint.mxfp4 import quantize_mxfp4
     from k3jax.ops.grouped_matmul import grouped_matmul
@@ -225,7 +304,7 @@ def section_toy_decode(a):
     return out
 
 
-SECTIONS = {"kda_forward": section_kda_forward, "kda_backward": section_kda_backward,
+SECTIONS = {"gmm": section_gmm, "kda_forward": section_kda_forward, "kda_backward": section_kda_backward,
             "mxfp4_gmm": section_mxfp4_gmm, "toy_train": section_toy_train, "toy_decode": section_toy_decode}
 
 
@@ -246,11 +325,13 @@ def main(argv=None) -> int:
                     help="toy sections: the toy's first N layers (default: all 13; the dry run's 4, every layer kind)")
     a = ap.parse_args(argv)
     a.gmm_experts, a.gmm_n, a.gmm_k, a.gmm_rows = 56, 3072, 3584, 4096   # a device's share of K3's experts
+    a.gmm_check, a.gmm_speed_rows = (13, 1000, 200, 136), 16384
     a.train_steps = 3
     a.toy_seq, a.decode_steps, a.toy_layers = 128, 8, None
     if a.dry_run:   # interpret-mode kernels and XLA:CPU compiles: the smallest shapes that run every path
         a.T, a.H, a.K, a.T_ref, a.reps, a.C = 32, 1, 16, 32, 1, 16
         a.gmm_experts, a.gmm_n, a.gmm_k, a.gmm_rows = 2, 64, 64, 16
+        a.gmm_check, a.gmm_speed_rows = (5, 70, 40, 24), 32
         a.toy_seq, a.decode_steps, a.toy_layers, a.train_steps = 16, 2, 4, 2
     a.toy_layers = a.toy_layers_arg or a.toy_layers
     if a.budget_s is None:

@@ -1,6 +1,7 @@
 """benchmarks/device_check.py --dry-run: the one-command device check runs on this CPU
 (Pallas in interpret mode, small shapes) and every check it makes passes, so the run on a
-lent device is known to work. The test runs the KDA forward section (5 s); the others
+lent device is known to work. The test runs the grouped-matmul and KDA forward sections
+(5 s each); the others
 (interpret-mode KDA backward, MXFP4 grouped matmul, toy train and decode) take about three
 minutes of this CPU: `python benchmarks/device_check.py --dry-run` runs them all."""
 import pytest
@@ -15,7 +16,7 @@ def test_device_check_dry_run(tmp_path):
     spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    kernels = ["kda_forward"]
+    kernels = ["gmm", "kda_forward"]
     rc = mod.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "100000", "--sections", *kernels])
     result = json.loads((tmp_path / "device_check.json").read_text())
     sections = result["sections"]
@@ -28,3 +29,8 @@ def test_device_check_dry_run(tmp_path):
     assert max(kf["pallas_vs_chunk"].values()) <= mod.TOL
     assert max(v for d in kf["vs_recurrent_first_tokens"].values() for v in d.values()) <= mod.TOL
     assert set(kf["ms"]) == {"pallas", "chunk"} and kf["anchors_ms"]["goal fwd, H200"] == 3.3
+    # the grouped-matmul kernels' values and gradients against the float64 oracle, an empty
+    # expert's weight gradient exactly zero
+    g = sections["gmm"]
+    assert max(g["fp32_vs_float64"].values()) <= 1e-5 and g["empty_experts_dw_max_abs"] == 0.0
+    assert g["check_shape"]["empty_experts"] and g["check_shape"]["rows_past_sum"] > 0
