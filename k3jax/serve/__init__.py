@@ -22,6 +22,9 @@ def serve(generator, engine, model_name: str, host: str = "127.0.0.1", port: int
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))          # bound here so that --port 0 can say which port it got
+    # listening before the line below: a client that connects on reading it waits in the
+    # backlog until uvicorn accepts, where a bound socket not yet listening refuses it
+    sock.listen(2048)
     print(f"serving {model_name} on http://{host}:{sock.getsockname()[1]}/v1 "
           f"({engine.slots} slots, max_len {engine.max_len}, chunk {engine.chunk})", flush=True)
     # uvicorn's own SIGTERM handling stops accepting and waits for every open request to be

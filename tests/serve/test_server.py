@@ -5,6 +5,7 @@ import concurrent.futures as futures
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ class Server:
         for line in self.proc.stdout:
             if line.startswith("serving "):
                 self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+                # the line is the promise that the port takes connections now (a CI run
+                # once had its first request refused between the bind and uvicorn's listen)
+                socket.create_connection(("127.0.0.1", self.port), timeout=10).close()
                 break
         else:
             raise AssertionError(f"the server did not start (exit {self.proc.wait()})")
