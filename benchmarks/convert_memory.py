@@ -43,17 +43,16 @@ def k3_shaped_config(n_experts: int) -> dict:
 def synthesise(out: Path, cfg_dict: dict, shard_bytes: int = 200 << 20) -> dict:
     """Write the checkpoint shard by shard (never more than one shard in memory)."""
     import jax
-    from flax import linen as nn
 
     from k3jax.checkpoint.names import release_dtype, stored_shape, tensor_map
     from k3jax.checkpoint.safetensors_io import DTYPES, INDEX_NAME, write_safetensors
     from k3jax.config import K3Config
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
 
     k3 = K3Config.from_hf(cfg_dict)
     cfg = k3.text
     shapes = {tuple(k.key for k in p): x.shape
-              for p, x in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_params(cfg)))}
+              for p, x in jax.tree_util.tree_leaves_with_path(param_shapes(cfg))}
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(cfg_dict))
     rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3jax import sharding  # noqa: E402
+from k3jax.mesh import load_mesh, use_mesh  # noqa: E402
 from k3jax.aot import hlo  # noqa: E402
 from k3jax.config import load  # noqa: E402
 from k3jax.layers.mlp import glu_activation  # noqa: E402
@@ -46,7 +46,7 @@ def main():
     w = jnp.asarray(r.random((N, k)), jnp.float32)
     w1, w3 = (jnp.asarray(r.normal(size=(E, H, F)), jnp.float32) for _ in range(2))
     w2 = jnp.asarray(r.normal(size=(E, F, H)), jnp.float32)
-    mesh, rules = sharding.load_mesh(args.mesh)
+    mesh, rules = load_mesh(args.mesh)
 
     def loss(cfg, z, w, w1, w2, w3):
         y = md.experts_ep(cfg, functools.partial(glu_activation, cfg), z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {})
@@ -58,7 +58,7 @@ def main():
     print(f"{N} tokens, hidden {H}, {E} experts top-{k}, mesh {args.mesh}; ratios to capacity 1.25")
     for name, runtime in forms:
         cfg = load("toy", ep_exchange="padded", **runtime)
-        with sharding.use_mesh(mesh, rules):
+        with use_mesh(mesh, rules):
             c = jax.jit(jax.grad(functools.partial(loss, cfg), argnums=(0, 2, 3, 4))).lower(z, w, w1, w2, w3).compile()
         t = hlo.analyse(c.as_text())
         fig = (c.memory_analysis().temp_size_in_bytes, t.flops, t.hbm_bytes)

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.model import LORA_KEY, abstract_params, init_params  # noqa: E402
 from k3jax import lora  # noqa: E402
-from k3jax.train.variants import variant_dict  # noqa: E402
+from k3jax.testing.variants import variant_dict  # noqa: E402
 
 
 def live_bytes() -> int:

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from k3jax import sharding  # noqa: E402
+from k3jax.mesh import load_mesh, use_mesh  # noqa: E402
 from k3jax.config import load  # noqa: E402
 from k3jax.layers.mlp import glu_activation  # noqa: E402
 from k3jax.ops import moe_dispatch  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> int:
     w1, w3 = (r.normal(size=(E, H, F)).astype(np.float32) * H ** -0.5 for _ in range(2))
     w2 = r.normal(size=(E, F, H)).astype(np.float32) * F ** -0.5
 
-    mesh, rules = sharding.load_mesh(a.mesh)
+    mesh, rules = load_mesh(a.mesh)
     tok = NamedSharding(mesh, P(nn.logical_to_mesh_axes(("batch",), rules)[0]))   # tokens as the model keeps them
     exp = NamedSharding(mesh, P("expert"))
     args = [jax.device_put(x, s) for x, s in ((z, tok), (idx, tok), (w, tok), (w1, exp), (w2, exp), (w3, exp))]
@@ -77,7 +77,7 @@ def main() -> int:
         def train(z, idx, w, w1, w2, w3, fn=fn):
             return jax.grad(lambda z, w1, w2, w3: jnp.sum(fn(z, idx, w, {"w1": w1, "w2": w2, "w3": w3}, {}) ** 2),
                             argnums=(0, 1, 2, 3))(z, w1, w2, w3)
-        with sharding.use_mesh(mesh, rules):
+        with use_mesh(mesh, rules):
             t_f = timed(jax.jit(fwd), args, a.repeats)
             t_b = timed(jax.jit(train), args, a.repeats)
         results[name] = (N / t_f, N / t_b)

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     args = ap.parse_args(argv)
     from k3jax.checkpoint.export import export
-    from k3jax.train.variants import write_variant
+    from k3jax.testing.variants import write_variant
 
     out = Path(args.out or tempfile.mkdtemp(prefix="qat_bench_"))
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from k3jax.model import init_params
 from k3jax.train import config as tconf, muon, step as tstep
 from k3jax.train.loop import flops_per_token
 from kda import dense_matmul_rate  # benchmarks/kda.py: best-of-5 2048² fp32 matmul
-from k3jax.train.variants import variant_dict
+from k3jax.testing.variants import variant_dict
 
 
 def kimi_linear_dict(hidden=512, layers=4, heads=8, vocab=32000) -> dict:

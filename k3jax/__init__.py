@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "load_config": ("k3jax.config", "load"),
     "load_model": ("k3jax.checkpoint.load", "load_model_dir"),
-    "init_params": ("k3jax.model", "init_params"),
-    "forward": ("k3jax.model", "forward"),
+    "init_params": ("k3jax.model.params", "init_params"),
+    "forward": ("k3jax.model.transformer", "forward"),
     "generate": ("k3jax.infer.generate", "generate"),
     "kda": ("k3jax.ops.kda", "kda"),
     "K3JaxError": ("k3jax.errors", "K3JaxError"),

@@ -7,12 +7,12 @@ axes: a shared table by name (`rules: zero3` for training, `rules: serve` for in
 configs/meshes/rules/), changed per logical axis by `rules_override:`, or a whole table
 inline. The model code never names a mesh axis; swapping the preset is the whole change
 between 1 CPU device, 8 fake devices and a pod. Param shardings and sharded init live
-beside the model (k3jax.sharding).
+in the model package (k3jax.model.params).
 
 Typical use (what `k3jax train/logits/generate --mesh` call):
 
     mesh, rules = load_mesh("fsdp2_expert2_tensor2")
-    params = sharding.init_params_sharded(cfg, key, mesh, rules)
+    params = init_params_sharded(cfg, key, mesh, rules)   # k3jax.model
     with use_mesh(mesh, rules):
         logits = jax.jit(apply_fn)(params, tokens)            # 'ep' MoE dispatch sees the mesh
 """

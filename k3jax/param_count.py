@@ -9,15 +9,14 @@ from __future__ import annotations
 import math
 
 import jax
-from flax import linen as nn
 
 from k3jax.checkpoint.names import stored_shape, tensor_map
 from k3jax.config import ModelConfig
-from k3jax.model import abstract_params
+from k3jax.model import param_shapes
 
 
 def count_params(cfg: ModelConfig, layout: str = "k3") -> dict:
-    shapes = nn.unbox(abstract_params(cfg))
+    shapes = param_shapes(cfg)
     leaves = {tuple(k.key for k in p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
     total = routed = embed = 0
     for e in tensor_map(cfg, layout):

@@ -1,7 +1,7 @@
 """Per-device memory plan for a config on a mesh preset, from abstract shapes only.
 
 Params, gradients and optimizer state are exact for the sharding the preset's rules give
-(`k3jax.sharding.param_specs`, what `param_shardings` places them by). Activations are an
+(`k3jax.model.param_specs`, what `param_shardings` places them by). Activations are an
 estimate per layer, counted per token from the layer's intermediate tensors, for each remat
 policy; caches are exact. Nothing is allocated, so this runs for full K3 on a laptop.
 """
@@ -17,7 +17,8 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import OBJECTIVES, ConfigError, ModelConfig
-from k3jax.sharding import MeshPreset, entry_axes, fit_spec, logical_shards, param_specs
+from k3jax.mesh import MeshPreset, entry_axes, fit_spec, logical_shards
+from k3jax.model import param_specs
 
 GIB = 1 << 30
 
@@ -359,7 +360,7 @@ def objective_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, micr
 def places(preset: MeshPreset, opt: PlanOptions, micro: int) -> bool:
     """Whether a train microbatch of `micro` sequences splits over the batch shards of the
     layout `k3jax train` takes for it."""
-    from k3jax.sharding import preset_for
+    from k3jax.mesh import preset_for
     if preset.train_preset or preset.context_preset:
         preset = preset_for(preset.name, "train", micro, opt.devices)
     return micro % logical_shards(preset.rules, preset.shape(opt.devices), ("batch",)) == 0
@@ -392,7 +393,7 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
     (`mesh.preset_for`) for one microbatch: an inference preset's `train_preset` (b300x8 ->
     b300x8_train), and the `context_preset` a microbatch with fewer sequences than batch
     shards needs. `opt.grad_accum` None: `choose_grad_accum`'s."""
-    from k3jax.sharding import preset_for
+    from k3jax.mesh import preset_for
     accum = choose_grad_accum(cfg, preset, opt, total_params) if opt.mode == "train" else 1
     opt = dataclasses.replace(opt, grad_accum=accum)
     micro = opt.batch // accum if opt.batch else None

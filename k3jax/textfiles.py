@@ -1,8 +1,11 @@
 """The user's text data files, read one way: UTF-8 checked, JSON Lines parsed, every failure
-one line naming the file, the line and (for bad bytes) the byte offset."""
+one line naming the file, the line and (for bad bytes) the byte offset. And the one way a
+local file is written whole (`atomic_write`)."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 
 from etils import epath
 
@@ -52,3 +55,25 @@ def jsonl_files(path: str, what: str) -> list[str]:
     if not p.exists():
         raise FileNotFoundError(f"{what} {path!r} not found")
     return [str(path)]
+
+
+def atomic_write(path, write, fsync: bool = False):
+    """`write(file)` into a fresh temporary name beside `path` (binary), renamed onto `path`
+    when complete: a reader never sees it half written, and an interrupted or failed write
+    leaves whatever was there before. `fsync`: on disk before the rename (checkpoints)."""
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL on a random name never clobbers anything; 0o666 leaves the permissions to the umask
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path

@@ -56,7 +56,7 @@ def _json(*argv) -> dict:
 
 
 def _devices(preset: str) -> int:
-    from k3jax.sharding import load_preset
+    from k3jax.mesh import load_preset
     return _prod(load_preset(preset).shape().values())
 
 
@@ -114,7 +114,7 @@ def plan_summary(rows) -> str:
     params = rows[0][1]["params"]
     fits: dict = {}     # (platform, mode, choice) -> [(devices, preset, fits)], in PLAN_ROWS order
     for (preset, mode, choice), p in rows:
-        from k3jax.sharding import load_preset
+        from k3jax.mesh import load_preset
         platform = load_preset(preset).device or re.split(r"[-x]", preset)[0]
         fits.setdefault((platform, mode, choice), []).append((p["devices"], preset, p["fits"]))
     def state_per_param(optimizer):   # the planner's exact state bytes over every device
@@ -163,7 +163,7 @@ def h200_full() -> str:
 def preset_table() -> str:
     import yaml
 
-    from k3jax.sharding import MESH_DIR, load_preset
+    from k3jax.mesh import MESH_DIR, load_preset
     lines = ["| preset | devices | axes | HBM / device | description |", "|---|---|---|---|---|"]
     for f in sorted(os.listdir(MESH_DIR)):
         if not f.endswith(".yaml"):

@@ -141,10 +141,9 @@ def test_expert_role_names_the_routed_expert_weight_of_any_param_path():
     """One answer to "is this a routed expert?" for stacks, their MXFP4 parts and adapters,
     as strings or jax key paths; shared experts, the router and the latent projections are not."""
     import jax
-    from flax import linen as nn
 
     from k3jax.config import expert_role, load
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
     for path, role in (("groups/sub_0/block_sparse_moe/w1", "w1"),
                        ("groups/sub_1/block_sparse_moe/w2/weight_packed", "w2"),
                        ("groups/sub_1/block_sparse_moe/w2/weight_scale", "w2"),
@@ -155,7 +154,7 @@ def test_expert_role_names_the_routed_expert_weight_of_any_param_path():
                        ("layers_0/mlp/w1", None), ("w1", None)):
         assert expert_role(path) == role, path
     cfg = load("toy")
-    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_params(cfg)))
+    leaves = jax.tree_util.tree_leaves_with_path(param_shapes(cfg))
     found = {jax.tree_util.keystr(p): expert_role(p) for p, _ in leaves if expert_role(p)}
     E = cfg.num_experts
     # the routed stacks are the leaves with E experts of [latent, hidden] or [hidden, latent]

@@ -26,7 +26,7 @@ import yaml
 
 from k3jax.config import CONFIG_DIR
 from k3jax.mesh import MESH_DIR
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE
 

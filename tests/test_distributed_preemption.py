@@ -23,7 +23,7 @@ import time
 
 from k3jax.config import CONFIG_DIR
 from k3jax.train.preemption import PREEMPTED
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE
 from test_distributed import TOL, free_port, metrics

@@ -182,7 +182,7 @@ def test_dockerfile_python_at_least_3_11():
 def test_k3_sft_config_fits_its_mesh(capsys):
     """The pod config: the released model, a real train section, and the planner says it fits
     v5p-1024-cp4 with exactly its batch, sequence, optimizer and dtypes."""
-    from k3jax import sharding
+    from k3jax.mesh import load_preset
     from k3jax.cli import main
     from k3jax.train import config as tconf
     sft, k3 = load_k3("k3_sft"), load_k3("k3")
@@ -191,7 +191,7 @@ def test_k3_sft_config_fits_its_mesh(capsys):
     d = tc["data"]
     assert d["seq_len"] == 4096 and d["tokenizer"] == "tiktoken" and d["path"].startswith("gs://")
     assert tc["output_dir"].startswith("gs://")
-    preset = sharding.load_preset("v5p-1024-cp4")
+    preset = load_preset("v5p-1024-cp4")
     shape = preset.shape(512)
     assert d["batch_size"] % (shape["data"] * shape["fsdp"] * shape["expert"]) == 0   # the batch places
     args = ["plan", "configs/k3_sft.yaml", "--mesh", "v5p-1024-cp4", "--optimizer", "muon", "--json",

@@ -8,7 +8,7 @@ import pytest
 from k3jax.cli import main
 from k3jax.config import load
 from k3jax.plan import PlanOptions, plan
-from k3jax.sharding import load_preset
+from k3jax.mesh import load_preset
 
 
 def run_json(capsys, *argv) -> dict:
@@ -168,9 +168,8 @@ def test_zero3_gathers_one_layer_and_the_lm_head():
     """ZeRO-3 gathers a layer's weights over their sharded input side (the routed experts
     stay split over expert, heads and hidden over tensor) and the lm_head over embed;
     training holds the gathered gradients too. Serving layouts gather nothing."""
-    from flax import linen as nn
 
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
     cfg = load("toy")
     V, D = cfg.vocab_size, cfg.hidden_size
     opts = dict(batch=8, seq=64, param_dtype="bfloat16")
@@ -181,7 +180,7 @@ def test_zero3_gathers_one_layer_and_the_lm_head():
     assert train["gathered_layer"] == 2 * infer["gathered_layer"] > 0
     assert act("fsdp2_expert2_tensor2", "train", lora_rank=4)["gathered_layer"] == infer["gathered_layer"]
     # an MoE layer holds at least its local experts whole over fsdp: E/2 experts, hidden/2
-    p = nn.unbox(abstract_params(cfg))
+    p = param_shapes(cfg)
     moe = next(k for k in p if k.startswith("layers_") and "block_sparse_moe" in p[k])
     experts = sum(math.prod(p[moe]["block_sparse_moe"][w].shape) * 2 / 4 for w in ("w1", "w2", "w3"))
     assert infer["gathered_layer"] >= experts

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import sharding
+from k3jax.mesh import LOGICAL_AXES, MESH_DIR, batch_sharding, entry_axes, load_mesh, load_preset, use_mesh
+from k3jax.model import init_params_sharded, param_shardings, param_specs, shard_params
 from k3jax.config import ConfigError, load
 from k3jax.layers import moe
 from k3jax.layers.mlp import glu_activation
@@ -110,12 +111,12 @@ def blocked_reference(reference):
 def test_sharded_step_matches_single_device(reference, blocked_reference, preset, capfd):
     params, tokens, targets, (loss0, logits0, grads0) = reference
     cfg = parity_cfg()
-    mesh, rules = sharding.load_mesh(preset)
-    shardings = sharding.param_shardings(cfg, mesh, rules)
-    sharded = sharding.shard_params(params, shardings)
-    batch = sharding.batch_sharding(mesh, rules)
+    mesh, rules = load_mesh(preset)
+    shardings = param_shardings(cfg, mesh, rules)
+    sharded = shard_params(params, shardings)
+    batch = batch_sharding(mesh, rules)
     tokens_s, targets_s = jax.device_put(tokens, batch), jax.device_put(targets, batch)
-    with sharding.use_mesh(mesh, rules):
+    with use_mesh(mesh, rules):
         step = jax.jit(step_fn(cfg), out_shardings=(None, None, shardings, shardings))
         lowered = step.lower(sharded, tokens_s, targets_s)
         loss, logits, grads, new = lowered.compile()(sharded, tokens_s, targets_s)
@@ -143,8 +144,8 @@ def test_sharded_step_matches_single_device(reference, blocked_reference, preset
 
 def test_expert_weights_are_split():
     cfg = load("toy")
-    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
-    sh = sharding.param_shardings(cfg, mesh, rules)
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
+    sh = param_shardings(cfg, mesh, rules)
     w1 = sh["groups"]["sub_0"]["block_sparse_moe"]["w1"]
     # [layers, expert, latent, mlp] -> experts over expert, latent over fsdp, hidden over tensor
     assert tuple(w1.spec) == (None, "expert", "fsdp", "tensor")
@@ -155,10 +156,10 @@ def test_expert_weights_are_split():
 @pytest.mark.slow
 def test_init_params_sharded_equals_init_params():
     cfg = load("toy")
-    mesh, rules = sharding.load_mesh("data2_fsdp2_expert2")
-    got = sharding.init_params_sharded(cfg, jax.random.PRNGKey(3), mesh, rules)
+    mesh, rules = load_mesh("data2_fsdp2_expert2")
+    got = init_params_sharded(cfg, jax.random.PRNGKey(3), mesh, rules)
     want = init_params(cfg, jax.random.PRNGKey(3))
-    shardings = sharding.param_shardings(cfg, mesh, rules)
+    shardings = param_shardings(cfg, mesh, rules)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(shardings)):
         assert g.sharding.is_equivalent_to(s, g.ndim)
@@ -198,8 +199,8 @@ def test_ep_dispatch_dropless_skewed(mode, first_round):
     idx, args = _skewed_moe(skew=True)
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(_moe_loss, cfg, md.experts_dense, idx))(*args)
-    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
+    with use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(_moe_loss, cfg, md.experts_ep, idx)))(*args)
         _, dropped = jax.jit(lambda *a: md.experts_ep(cfg, functools.partial(glu_activation, cfg), a[0], idx, a[1],
                                                       dict(zip(("w1", "w2", "w3"), a[2:])), {}, with_dropped=True))(*args)
@@ -217,12 +218,12 @@ def test_dropless_estimate_is_the_capacity_steps():
     from k3jax.aot import hlo
     idx, args = _skewed_moe(skew=False)
     grad = functools.partial(jax.grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
-    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
     totals, texts = {}, {}
     for name, runtime in (("two", dict(ep_first_round=1.25)), ("capacity", dict(ep_capacity_factor=1.25)),
                           ("one", dict(ep_first_round=0.0))):
         cfg = load("toy", ep_exchange="padded", **runtime)
-        with sharding.use_mesh(mesh, rules):
+        with use_mesh(mesh, rules):
             text = jax.jit(grad(functools.partial(_moe_loss, cfg, md.experts_ep, idx))).lower(*args).compile().as_text()
         totals[name], texts[name] = hlo.analyse(text), text
     # the overflow round is in the dropless program (and only there), as a conditional
@@ -262,8 +263,8 @@ def test_ragged_dispatch_runs_each_devices_own_tokens(monkeypatch, preset, N):
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(z, gate, w1, w2, w3)
     topk_rows.clear()
-    mesh, rules = sharding.load_mesh(preset)
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh(preset)
+    with use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ragged)))(z, gate, w1, w2, w3)
     shards = {"data8": 8, "expert_hidden8": 1}.get(preset, 4)   # fsdp2_expert2: batch over fsdp, expert
     assert rows == {-(-N // shards) * k}
@@ -298,8 +299,8 @@ def test_ep_capacity_drops_exactly_the_overflow(mode, factor):
         return jnp.sum(jnp.sin(y)), y
     grad = functools.partial(jax.value_and_grad, has_aux=True, argnums=(0, 1, 2, 3, 4))
     (_, y0), g0 = grad(functools.partial(f, md.experts_dense, jnp.asarray(keep, jnp.float32)))(z, w, w1, w2, w3)
-    mesh, rules = sharding.load_mesh("expert8")
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh("expert8")
+    with use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(f, md.experts_ep, 1.0)))(z, w, w1, w2, w3)
     assert rel(y, y0) < TOL
     for a, b in zip(g, g0):
@@ -314,18 +315,18 @@ def test_train_step_reports_the_pairs_the_capacity_drops(tmp_path):
     peer's pairs. The toy cut to two MoE layers (KDA, MLA): the count is per layer, and the
     train step compiles 5x faster than the toy's 13 layers."""
     from k3jax.train import config as tconf, muon, step as tstep
-    from k3jax.train.variants import write_variant
+    from k3jax.testing.variants import write_variant
     two = write_variant(str(tmp_path / "two.yaml"), layers=("kda", "mla"), first_k_dense_replace=0)
     B, T = 8, 16
     tokens, targets = probe_batch(load("toy"))
     batch = {"tokens": tokens[None], "targets": targets[None], "segment_ids": np.ones((1, B, T), np.int32),
              "loss_mask": np.ones((1, B, T), np.float32)}
     tc = tconf.resolve({}, {"data": {"seq_len": T, "batch_size": B}, "balance": {"enabled": False}})
-    mesh, rules = sharding.load_mesh("expert8")
+    mesh, rules = load_mesh("expert8")
     for factor in (0.5, 8.0):
         cfg = load(two, **RUNTIME, moe_dispatch="ep", ep_capacity_factor=factor)
-        with sharding.use_mesh(mesh, rules):
-            params = sharding.init_params_sharded(cfg, jax.random.PRNGKey(0), mesh, rules)
+        with use_mesh(mesh, rules):
+            params = init_params_sharded(cfg, jax.random.PRNGKey(0), mesh, rules)
             _, inter = jax.jit(lambda p: K3Model(cfg).apply({"params": p}, tokens, mutable=["intermediates"]))(params)
             if factor < 1:   # one train step (the compile is the slow part of this test)
                 tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 10)
@@ -349,12 +350,12 @@ def test_train_step_reports_the_pairs_the_capacity_drops(tmp_path):
 
 
 def test_every_preset_loads():
-    for path in glob.glob(os.path.join(sharding.MESH_DIR, "*.yaml")):
-        p = sharding.load_preset(path)
-        assert {name for name, _ in p.rules} == set(sharding.LOGICAL_AXES), p.name
+    for path in glob.glob(os.path.join(MESH_DIR, "*.yaml")):
+        p = load_preset(path)
+        assert {name for name, _ in p.rules} == set(LOGICAL_AXES), p.name
         if -1 not in p.ici.values():
             assert all(s >= 1 for s in p.shape().values())
-    multi = sharding.load_preset("v5p-1024x2")
+    multi = load_preset("v5p-1024x2")
     assert multi.axis_order()[0] == "data" and multi.shape()["data"] == 2
     assert np.prod(list(multi.shape().values())) == 1024
 
@@ -364,7 +365,7 @@ def test_multislice_layout_on_cpu(tmp_path):
     device group, as create_hybrid_device_mesh lays out real slices."""
     (tmp_path / "two.yaml").write_text("ici: {fsdp: 2, expert: 2}\ndcn: {fsdp: 2}\n"
                                        "rules: zero3\n")
-    mesh, _ = sharding.load_mesh(str(tmp_path / "two.yaml"))
+    mesh, _ = load_mesh(str(tmp_path / "two.yaml"))
     assert mesh.axis_names[0] == "fsdp" and mesh.shape["fsdp"] == 4
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(4, -1)
     assert set(ids[:2].ravel()) == {0, 1, 2, 3} and set(ids[2:].ravel()) == {4, 5, 6, 7}
@@ -372,13 +373,13 @@ def test_multislice_layout_on_cpu(tmp_path):
 
 def test_bad_presets_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="no mesh preset"):
-        sharding.load_preset("nope")
+        load_preset("nope")
     (tmp_path / "bad.yaml").write_text("ici: {data: 2, model: 4}\n")
     with pytest.raises(ConfigError, match="model"):
-        sharding.load_preset(str(tmp_path / "bad.yaml"))
+        load_preset(str(tmp_path / "bad.yaml"))
     (tmp_path / "big.yaml").write_text("ici: {data: 16}\n")
     with pytest.raises(ConfigError, match="16 devices"):
-        sharding.load_mesh(str(tmp_path / "big.yaml"))
+        load_mesh(str(tmp_path / "big.yaml"))
 
 
 @pytest.mark.slow
@@ -426,8 +427,8 @@ def test_kda_layer_runs_each_devices_own_batch_and_heads(monkeypatch, impl):
     want, want_g, want_prefill = run()
     assert shapes == {(B, T, H, K)}
     shapes.clear()
-    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
+    with use_mesh(mesh, rules):
         got, got_g, got_prefill = run()
     assert shapes == {(B // 4, T, H // 2, K)}
     assert rel(got, want) < 1e-5
@@ -468,8 +469,8 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
     f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     (_, want), want_g = f(params, x)
     assert not calls
-    mesh, rules = sharding.load_mesh("data2_context2_expert2")
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh("data2_context2_expert2")
+    with use_mesh(mesh, rules):
         (_, got), got_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
     assert calls and calls[0]["axis_name"] == "context" and calls[0]["impl"] == impl
     assert rel(got, want) < 1e-5
@@ -478,15 +479,15 @@ def test_kda_layer_runs_context_parallel_with_documents(monkeypatch, impl):
 
 def test_rules_tables_are_shared_and_overridden(tmp_path):
     """Presets name a table of configs/meshes/rules/ and may change single entries."""
-    zero3 = sharding.load_preset("v5p-1024")
-    cp4 = sharding.load_preset("v5p-1024-cp4")
+    zero3 = load_preset("v5p-1024")
+    cp4 = load_preset("v5p-1024-cp4")
     assert dict(zero3.rules)["embed"] == ("fsdp", "expert")
     assert dict(cp4.rules)["embed"] == ("fsdp", "context", "expert")       # its rules_override
     assert {k: v for k, v in cp4.rules if k != "embed" and k not in ("kda_rank", "q_lora", "kv_lora", "latent")} \
         == {k: v for k, v in zero3.rules if k != "embed" and k not in ("kda_rank", "q_lora", "kv_lora", "latent")}
     (tmp_path / "t.yaml").write_text("ici: {expert: 8}\nrules: zero4\n")
     with pytest.raises(ConfigError, match="no rules table 'zero4'"):
-        sharding.load_preset(str(tmp_path / "t.yaml"))
+        load_preset(str(tmp_path / "t.yaml"))
 
 
 def test_every_preset_splits_the_routed_experts_as_its_rules_say():
@@ -498,12 +499,12 @@ def test_every_preset_splits_the_routed_experts_as_its_rules_say():
     from k3jax.layout import stacked_axes
     from k3jax.model import abstract_params
     boxed = abstract_params(load("k3"))
-    for path in sorted(glob.glob(os.path.join(sharding.MESH_DIR, "*.yaml"))):
-        preset = sharding.load_preset(path)
+    for path in sorted(glob.glob(os.path.join(MESH_DIR, "*.yaml"))):
+        preset = load_preset(path)
         sizes = preset.shape(None if -1 not in preset.ici.values() else 1024)
         rule = dict(preset.rules)
-        split = lambda entry: tuple(a for a in sharding.entry_axes(entry) if sizes[a] > 1)  # noqa: E731 (size 1 splits nothing)
-        specs = sharding.param_specs(boxed, preset.rules, sizes)
+        split = lambda entry: tuple(a for a in entry_axes(entry) if sizes[a] > 1)  # noqa: E731 (size 1 splits nothing)
+        specs = param_specs(boxed, preset.rules, sizes)
         checked, routers = 0, 0
         for p, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
             keys = [k.key for k in p]
@@ -522,10 +523,10 @@ def test_a_rule_that_cannot_apply_is_named():
     """Two dims of one weight asking for the same mesh axis is an error naming the param
     and the rule (flax would leave one of them unsharded without a word)."""
     from k3jax.model import abstract_params
-    preset = sharding.load_preset("expert8")
+    preset = load_preset("expert8")
     rules = tuple((k, "expert" if k == "expert_mlp" else v) for k, v in preset.rules)
     with pytest.raises(ConfigError, match=r"block_sparse_moe.*'w1'.*cannot apply.*'expert'"):
-        sharding.param_specs(abstract_params(load("toy")), rules, preset.shape())
+        param_specs(abstract_params(load("toy")), rules, preset.shape())
 
 
 def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the_experts():
@@ -536,7 +537,7 @@ def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the
     assert md.dispatch_name(cfg, pairs=7) == "gather" and md.dispatch_name(cfg, pairs=8) == "ragged"
     for preset, want, local in (("expert8", "ep", 1), ("data8", "ragged", 8), ("fsdp2_expert2_tensor2", "ep", 4),
                                 ("expert_hidden8", "ragged", 8)):
-        with sharding.use_mesh(*sharding.load_mesh(preset)):
+        with use_mesh(*load_mesh(preset)):
             assert md.dispatch_name(cfg) == want == md.dispatch_name(cfg, pairs=local), preset
             assert local == 1 or md.dispatch_name(cfg, pairs=local - 1) == "gather", preset
             assert md.dispatch_name(cfg.with_runtime(moe_dispatch="dense"), pairs=1) == "dense"
@@ -544,7 +545,7 @@ def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the
     # 'ep' asked for where no device holds whole experts: said, not resharded in silence
     E, H, F = 8, 8, 8
     ws = {"w1": jnp.ones((E, H, F)), "w3": jnp.ones((E, H, F)), "w2": jnp.ones((E, F, H))}
-    with sharding.use_mesh(*sharding.load_mesh("expert_hidden8")):
+    with use_mesh(*load_mesh("expert_hidden8")):
         with pytest.raises(ConfigError, match="rules split the experts over no axis"):
             md.experts_ep(cfg, lambda g, u: g * u, jnp.ones((4, H)), jnp.zeros((4, 2), jnp.int32),
                           jnp.ones((4, 2)), ws, {})
@@ -557,6 +558,6 @@ def test_a_rules_table_names_every_logical_axis(tmp_path):
     silently (at pod scale an OOM): refused, naming the axes; `AXIS: null` keeps one whole."""
     (tmp_path / "part.yaml").write_text("ici: {expert: 8}\nrules: {batch: expert, expert: expert}\n")
     with pytest.raises(ConfigError, match=r"mesh part: no rule for logical axes \['length', 'embed'"):
-        sharding.load_preset(str(tmp_path / "part.yaml"))
+        load_preset(str(tmp_path / "part.yaml"))
     (tmp_path / "gap.yaml").write_text("ici: {expert: 8}\nrules: zero3\nrules_override: {latent: null}\n")
-    assert dict(sharding.load_preset(str(tmp_path / "gap.yaml")).rules)["latent"] is None
+    assert dict(load_preset(str(tmp_path / "gap.yaml")).rules)["latent"] is None

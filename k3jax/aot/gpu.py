@@ -57,6 +57,6 @@ def _pinned(prog: Program):
 
 def export(prog: Program, platform: str = "cuda"):
     """`jax.export.Exported` of the program for `platform`, traced for it."""
-    from k3jax import sharding
-    with target("gpu" if platform in ("cuda", "rocm") else platform), sharding.use_mesh(prog.mesh, prog.rules):
+    from k3jax.mesh import use_mesh
+    with target("gpu" if platform in ("cuda", "rocm") else platform), use_mesh(prog.mesh, prog.rules):
         return jax.export.export(_pinned(prog), platforms=(platform,), disabled_checks=_UNSTABLE)(*prog.args)

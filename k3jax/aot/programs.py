@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import sharding
+from k3jax.mesh import load_mesh, load_preset, logical_shards, preset_for, use_mesh
+from k3jax.model import param_shardings
 from k3jax.config import ConfigError, K3Config
 from k3jax.plan import PlanOptions
 
@@ -43,7 +44,7 @@ class Program:
     tc: dict | None = None    # the resolved train config (train mode)
 
     def lower(self):
-        with sharding.use_mesh(self.mesh, self.rules):
+        with use_mesh(self.mesh, self.rules):
             return self.fn.lower(*self.args)
 
 
@@ -53,19 +54,19 @@ def _sds(x, s):
 
 def abstract_params(cfg, mesh, rules):
     """The params (LoRA adapters under 'lora' when the config has them) as
-    ShapeDtypeStructs with `sharding.param_shardings`' shardings."""
+    ShapeDtypeStructs with `param_shardings`' shardings."""
     from flax import linen as nn
 
     from k3jax.model import abstract_variables
     boxed = abstract_variables(cfg)
     plain = jax.tree.map(lambda x: x.value, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    return jax.tree.map(_sds, plain, sharding.param_shardings(cfg, mesh, rules))
+    return jax.tree.map(_sds, plain, param_shardings(cfg, mesh, rules))
 
 
 def default_batch(preset, opt: PlanOptions, n_devices: int) -> int:
     """The planner's default: one sequence per batch shard."""
     sizes = preset.shape(n_devices)
-    return opt.batch or sharding.logical_shards(preset.rules, sizes, ("batch",))
+    return opt.batch or logical_shards(preset.rules, sizes, ("batch",))
 
 
 def check_layout(preset, n_devices: int, batch: int, seq: int):
@@ -73,7 +74,7 @@ def check_layout(preset, n_devices: int, batch: int, seq: int):
     length (a sharded input cannot be padded); say which preset settings would."""
     sizes = preset.shape(n_devices)
     for what, n, logical in (("batch", batch, "batch"), ("seq", seq, "length")):
-        ways = sharding.logical_shards(preset.rules, sizes, (logical,))
+        ways = logical_shards(preset.rules, sizes, (logical,))
         if n % ways:
             hint = (" (or a preset that splits each sequence over a context axis, e.g. v5p-1024-cp4)"
                     if what == "batch" else "")
@@ -130,8 +131,8 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
                           f"embeddings, vectors and lm_head); compile it with --optimizer muon")
     accum = opt.grad_accum or 1
     micro = opt.batch // accum if opt.batch else None
-    preset = sharding.preset_for(preset_name, "train", micro, len(devices))   # as `k3jax train --mesh` picks it
-    mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
+    preset = preset_for(preset_name, "train", micro, len(devices))   # as `k3jax train --mesh` picks it
+    mesh, rules = load_mesh(preset, devices, physical=physical)
     micro = micro or default_batch(preset, opt, len(devices))
     check_layout(preset, len(devices), micro, opt.seq)
     batch = micro * accum
@@ -142,7 +143,7 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
         section["optimizer"] = {"freeze": list(opt.freeze)}
     tc = tconf.resolve(_merge(k3.train, section), overrides)
     cfg = loop.run_model_config(k3, tc)
-    with sharding.use_mesh(mesh, rules):
+    with use_mesh(mesh, rules):
         params = abstract_params(cfg, mesh, rules)
         tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
                                           tc["lora"] if cfg.runtime.lora is not None else None)
@@ -176,7 +177,7 @@ def serve_config(k3: K3Config, opt: PlanOptions, runtime: dict | None = None):
 def prefill_tokens(preset, opt: PlanOptions, batch: int, n_devices: int) -> int:
     """Tokens per sequence of one prefill chunk: `opt.prefill_chunk` tokens per device (the
     planner's), spread over the sequences a device holds."""
-    per_device_rows = max(1, batch // sharding.logical_shards(preset.rules, preset.shape(n_devices), ("batch",)))
+    per_device_rows = max(1, batch // logical_shards(preset.rules, preset.shape(n_devices), ("batch",)))
     return max(1, opt.prefill_chunk // per_device_rows)
 
 
@@ -189,8 +190,8 @@ def serve_programs(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ru
     the shardings the first prefill gives it (what `generate` hands from one to the other);
     `cache_shardings_from(compiled first prefill)` fills them in."""
     from k3jax.infer.generate import extend_step, prefill_step
-    preset = sharding.load_preset(preset_name)
-    mesh, rules = sharding.load_mesh(preset, devices, physical=physical)
+    preset = load_preset(preset_name)
+    mesh, rules = load_mesh(preset, devices, physical=physical)
     batch = default_batch(preset, opt, len(devices))
     cfg = serve_config(k3, opt, runtime)
     n = new_tokens or prefill_tokens(preset, opt, batch, len(devices))
@@ -199,7 +200,7 @@ def serve_programs(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ru
         raise ConfigError(f"--seq {opt.seq} with {n} new tokens per sequence does not fit "
                           f"max_position_embeddings={cfg.max_position_embeddings}")
     rep = NamedSharding(mesh, P())
-    with sharding.use_mesh(mesh, rules):
+    with use_mesh(mesh, rules):
         params = abstract_params(cfg, mesh, rules)
     first = min(n, opt.seq)
     tok = lambda t: jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=rep)  # noqa: E731  (host ids: replicated)

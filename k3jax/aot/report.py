@@ -10,6 +10,9 @@ Step-time model (per device; every device runs the same SPMD program):
                asynchronous collectives; `overlapped_s` = max of the three is the optimistic one.
 MFU is the CLI's own definition (`k3jax.train.loop.flops_per_token`: 6 × activated params
 per token for training, a third of that per token served) over devices × peak × estimate.
+
+`assemble` sets it all out as the one object `k3jax compile --json` prints, `text` as the
+lines it prints without.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import resource
 import time
 
 from k3jax.aot import depth as depth_mod, hlo
-from k3jax.aot.programs import Program, serve_programs, train_program, with_cache
+from k3jax.aot.programs import Program, default_batch, prefill_tokens, serve_programs, train_program, with_cache
 
 MEMORY_TERMS = ("arguments", "outputs", "temporaries", "generated_code", "aliases")
 _XLA_NAMES = {"arguments": "argument_size_in_bytes", "outputs": "output_size_in_bytes",
@@ -221,3 +224,115 @@ def relative(a: float, b: float) -> float | None:
 
 def safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def model_figures(cfg, mode: str, batch: int, tokens: int) -> dict:
+    """Model FLOPs per step (the CLI's MFU numerator: `flops_per_token`, a frozen base's
+    weights at 4 per value under LoRA) and the weights a decode step needs."""
+    import jax
+
+    from k3jax.config import expert_role
+    from k3jax.model import param_shapes
+    from k3jax.train.loop import flops_per_token
+    from k3jax.train.muon import param_groups
+    params = param_shapes(cfg, adapters=True)
+    k, E = cfg.num_experts_per_token or 1, cfg.num_experts or 1
+    per_token = flops_per_token(params, k / E, param_groups(cfg, params), k)
+    if mode != "train":
+        per_token = flops_per_token(params, k / E, None, k) / 3   # forward only: 2 per weight value
+    dense = expert = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(p, "key", p)) for p in path]
+        b = math.prod(x.shape) * x.dtype.itemsize
+        if expert_role(keys):
+            expert += b
+        elif keys[0] != "embed_tokens":
+            dense += b
+    needed = dense + expert * min(E, batch * k) / E     # each chosen expert read once per step
+    return {"model_flops_per_step": per_token * tokens, "dense_weight_bytes": dense,
+            "routed_expert_bytes": expert, "active_weight_bytes_per_step": needed}
+
+
+def refused(head: dict, error: DoesNotFit, hbm: int | None) -> dict:
+    """The report of a program XLA would not fit: what it says the program needs."""
+    return {**head, "fits": False, "total_per_device_bytes": oom_bytes(str(error)), "hbm_bytes": hbm,
+            "error": str(error).splitlines()[0][:500]}
+
+
+def assemble(head: dict, res: dict, pl: dict, k3, preset, opt, chip, hbm: int | None) -> dict:
+    """The report of one compile: `head` (what ran where: config, mesh, topology, devices,
+    mode, chip, ...), then `compile_figures`' `res` of the mode's program beside the
+    planner's `pl`, the roofline estimate and, decoding, the bytes a token reads."""
+    from k3jax.plan import run_config
+    mode, devices = head["mode"], head["devices"]
+    fig = res["programs"][mode]
+    batch = default_batch(preset, opt, devices)
+    new = {"train": opt.seq, "decode": 1}.get(mode) or prefill_tokens(preset, opt, batch, devices)
+    cfg = run_config(k3.text.with_runtime(dtype=opt.param_dtype), opt)
+    model = model_figures(cfg, mode, batch, batch * new)
+    est = roofline(fig, chip, model["model_flops_per_step"], devices)
+    total = fig["memory"]["total"]
+    out = {
+        **head,
+        "fits": bool(hbm is not None and total <= hbm), "hbm_bytes": hbm,
+        "total_per_device_bytes": total, "memory": fig["memory"],
+        "plan_total_bytes": pl["bytes_per_device"]["total"],
+        "plan_vs_xla": relative(pl["bytes_per_device"]["total"], total),
+        "plan": pl["bytes_per_device"], "plan_terms": planner_terms(pl, mode),
+        "flops_per_step": fig["flops"], "bytes_accessed_per_step": fig["bytes_accessed"],
+        "xla_cost_analysis": {"flops": fig["xla_flops"], "bytes accessed": fig["xla_bytes_accessed"]},
+        "matmul_flops_per_step": fig["matmul_flops"], "hbm_bytes_per_step": fig["hbm_bytes"],
+        "collective_bytes_per_step": fig["collectives"],
+        "compile_s": sum(f["compile_s"] for f in res["programs"].values()),
+        "lower_s": sum(f["lower_s"] for f in res["programs"].values()),
+        "compile_cpu_s": sum(f["cpu_s"] for f in res["programs"].values()),
+        "peak_rss_gib": peak_rss_gb(),
+        **est, "model_flops_per_step": model["model_flops_per_step"],
+        "layers_compiled": res["layers_compiled"], "extrapolated": res["extrapolated"],
+        "batch": batch, "grad_accum": pl["grad_accum"], "microbatch": pl["microbatch"], "seq": opt.seq,
+        "new_tokens_per_sequence": new, "loops_unread": fig["loops_unread"],
+        "programs": {n: {"compile_s": f["compile_s"], "memory_total": f["memory"]["total"]}
+                     for n, f in res["programs"].items()},
+    }
+    if mode == "decode":
+        out["decode"] = {"hbm_bytes_all_devices": fig["hbm_bytes"] * devices,
+                         "per_token": fig["hbm_bytes"] * devices / batch,
+                         "active_weight_bytes_per_step": model["active_weight_bytes_per_step"],
+                         "all_weight_bytes": model["dense_weight_bytes"] + model["routed_expert_bytes"]}
+    return out
+
+
+def text(o: dict) -> str:
+    """`assemble`'s report as the lines `k3jax compile` prints."""
+    g = lambda n: f"{n / 2**30:9.2f} GiB" if n is not None else "        ?"  # noqa: E731
+    accum = f" ({o['grad_accum']} microbatches of {o['microbatch']})" if o.get("grad_accum", 1) > 1 else ""
+    lines = [f"{o['config']} {o['mode']} on {o['mesh']} ({o['devices']} x {o['chip']}), batch {o['batch']}{accum} x "
+             f"{o['new_tokens_per_sequence']} new tokens (seq {o['seq']}); layers compiled "
+             f"{o['layers_compiled']}{' (extrapolated to full depth)' if o['extrapolated'] else ''}",
+             "XLA memory per device:"]
+    lines += [f"  {k:<15}{g(v)}" for k, v in o["memory"].items()]
+    diff = o["plan_vs_xla"]
+    lines.append(f"planner total    {g(o['plan_total_bytes'])}  ({'+' if diff >= 0 else ''}{100 * diff:.1f} % vs XLA)")
+    lines += [f"  planner {k:<9}{g(v)}  vs XLA {g(o['memory'][k])}" for k, v in o["plan_terms"].items()]
+    lines.append(f"HBM {g(o['hbm_bytes']).strip()}: fits {'yes' if o['fits'] else 'NO'}")
+    xa = o["xla_cost_analysis"]
+    lines.append(f"FLOPs per step per device {o['flops_per_step']:.4g} (XLA's cost analysis, loop bodies once: "
+                 f"{xa['flops']:.4g}); bytes accessed {o['bytes_accessed_per_step']:.4g} ({xa['bytes accessed']:.4g}); "
+                 f"HBM traffic {o['hbm_bytes_per_step']:.4g}")
+    lines.append("collective bytes sent per device: " + ", ".join(f"{k} {v / 2**20:.1f} MiB"
+                                                                    for k, v in o["collective_bytes_per_step"].items()))
+    lines.append(f"compile {o['compile_s']:.0f} s (lowering {o['lower_s']:.0f} s, CPU {o['compile_cpu_s']:.0f} s), "
+                 f"peak RSS {o['peak_rss_gib']:.1f} GiB")
+    lines.append(f"estimate on {o['chip']}: compute {1e3 * o['compute_s']:.1f} ms, memory {1e3 * o['memory_s']:.1f} ms, "
+                 f"collectives {1e3 * o['collective_s']:.1f} ms -> step {1e3 * o['estimated_step_s']:.1f} ms "
+                 f"(overlapped {1e3 * o['overlapped_s']:.1f} ms), MFU {100 * o['estimated_mfu']:.1f} %")
+    lines.append(f"  ({o['overlap']})")
+    lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<18} {c['instruction']}" for c in o["costliest"]]
+    lines.append("  by part of the model:")
+    lines += [f"  {100 * c['share']:5.1f} %  {c['scope']}" for c in o["by_scope"]]
+    if "decode" in o:
+        d = o["decode"]
+        lines.append(f"decode: HBM bytes per step over all devices {g(d['hbm_bytes_all_devices']).strip()} "
+                     f"({g(d['per_token']).strip()} per token); weights a step needs "
+                     f"{g(d['active_weight_bytes_per_step']).strip()} of {g(d['all_weight_bytes']).strip()}")
+    return "\n".join(lines)

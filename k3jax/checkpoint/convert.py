@@ -82,17 +82,16 @@ def _leaf_dtype(source_dtypes: set[str]) -> np.dtype:
 
 def _plan(k3: K3Config, ckpt: ShardedCheckpoint):
     """Validate names, dtypes and shapes from the headers alone, before anything is written."""
-    from flax import linen as nn
     import jax
 
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
 
     cfg = k3.text
     names = set(ckpt.keys())
     report = check_names(cfg, names, k3.layout, check_vision=True, vision=k3.vision)
     if report["missing"] or report["unexpected"]:
         raise CheckpointMismatch(mismatch_message(ckpt.directory, report))
-    abstract = nn.unbox(abstract_params(cfg))
+    abstract = param_shapes(cfg)
     shapes = {tuple(k.key for k in p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
     sources: dict[tuple, set] = {}
     n_lead: dict[tuple, int] = {}

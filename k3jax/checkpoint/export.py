@@ -465,10 +465,9 @@ class _WithRun:
 def _model_fp32_paths(cfg) -> set:
     """Param paths the model keeps in fp32 even when its params are bf16."""
     import jax
-    from flax import linen as nn
 
-    from k3jax.model import abstract_params
-    tree = nn.unbox(abstract_params(cfg.with_runtime(param_dtype="bfloat16")))
+    from k3jax.model import param_shapes
+    tree = param_shapes(cfg.with_runtime(param_dtype="bfloat16"))
     return {tuple(k.key for k in p) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
             if leaf.dtype == np.float32}
 

@@ -179,10 +179,9 @@ def load_hf_params(cfg: ModelConfig, hf_dir, dtype=None) -> dict:
     """
     import jax
 
-    from k3jax.model import abstract_params
-    from flax import linen as nn
+    from k3jax.model import param_shapes
 
-    shapes = nn.unbox(abstract_params(cfg))
+    shapes = param_shapes(cfg)
     ckpt = ShardedCheckpoint(hf_dir)
     names = set(ckpt.keys())
     report = check_names(cfg, names)

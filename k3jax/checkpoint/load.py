@@ -191,7 +191,7 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
     init) and the adapters land under params['lora'], with `cfg.runtime.lora` set.
 
     `vision`: also load the vision tower and projector, when the checkpoint has them, under
-    params['vision'] (`k3jax.vision.multimodal`), in the text param dtype; with `shardings`
+    params['vision'] (`k3jax.model.multimodal`), in the text param dtype; with `shardings`
     they are replicated over the same mesh (0.45 B params in K3). Without, or when the
     checkpoint holds no vision weights (training runs hold the text model only), params
     are the text tree alone.
@@ -225,13 +225,12 @@ def load_model_dir(path, runtime: dict | None = None, shardings=None, *, vision:
         return k3, params
     import jax
     import numpy as np
-    from flax import linen as nn
 
     from k3jax.checkpoint.hf_params import load_hf_params
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
 
     params = load_hf_params(k3.text, src.path)
-    dtypes = nn.unbox(abstract_params(k3.text))
+    dtypes = param_shapes(k3.text)
     params = jax.tree.map(lambda a, s: np.asarray(a, s.dtype), params, dtypes)
     if text_shardings is not None:
         params = jax.tree.map(jax.device_put, params, text_shardings)
@@ -250,11 +249,10 @@ def _load_lora_run(src: ModelSource, k3: K3Config, runtime: dict | None, shardin
     """A LoRA run's params: its base (the run's init_from, else its seed's random init) with
     the checkpoint's saved leaves (adapters and router biases) put over it."""
     import jax
-    from flax import linen as nn
 
     from k3jax import lora
     from k3jax.checkpoint.orbax_io import restore_tree, stored_leaves
-    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params, init_params
+    from k3jax.model import LORA_KEY, abstract_params, adapter_shapes, init_params, param_shapes
 
     base_cfg = k3.text
     spec = lora.resolve(src.train["lora"], base_cfg, abstract_params(base_cfg))
@@ -267,7 +265,7 @@ def _load_lora_run(src: ModelSource, k3: K3Config, runtime: dict | None, shardin
         out = None if shardings is None else shardings(base_cfg)
         params = jax.jit(lambda key: init_params(base_cfg, key), out_shardings=out)(
             jax.random.PRNGKey(int(src.train.get("seed", 0))))
-    full = {**nn.unbox(abstract_params(cfg)), LORA_KEY: nn.unbox(abstract_adapters(cfg))}
+    full = {**param_shapes(cfg), LORA_KEY: adapter_shapes(cfg)}
     n = len(src.prefix)
     saved = {p[n:] for p in stored_leaves(src.item_dir) if p[:n] == tuple(src.prefix)}
     abstract = _subtree(full, saved)

@@ -168,13 +168,12 @@ def restore_params(ckpt_dir, cfg, shardings=None, item: str = "params", prefix: 
     read straight into its target sharding (default: the first device) and cast to the
     model's param dtype for that leaf; nothing is assembled on the host first. `prefix`:
     where the params sit inside the item (('params',) in a training run's TrainState)."""
-    from flax import linen as nn
 
-    from k3jax.model import abstract_params
+    from k3jax.model import param_shapes
 
     ckpt_dir = Path(ckpt_dir)
     item_dir = ckpt_dir / item if (ckpt_dir / item / "_METADATA").exists() else ckpt_dir
-    return restore_tree(item_dir, nn.unbox(abstract_params(cfg)), shardings, prefix=prefix)
+    return restore_tree(item_dir, param_shapes(cfg), shardings, prefix=prefix)
 
 
 def restore_tree(item_dir, abstract, shardings=None, prefix: tuple = ()):

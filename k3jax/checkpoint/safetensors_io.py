@@ -22,7 +22,6 @@ import gzip
 import json
 import math
 import os
-import secrets
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from k3jax.errors import K3JaxError
+from k3jax.textfiles import atomic_write
 
 
 class MissingTensor(K3JaxError, KeyError):
@@ -367,27 +367,14 @@ def write_safetensors(
         offset += arr.nbytes
     head = _header_bytes(header)
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL on a random name never clobbers anything; mode 0o666 lets the umask decide the
-    # final permissions, as for any ordinary file.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for _, _, arr in prepared:
-                if arr.size:
-                    f.write(arr.reshape(-1).view(np.uint8).data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    def body(f):
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for _, _, arr in prepared:
+            if arr.size:
+                f.write(arr.reshape(-1).view(np.uint8).data)
+    atomic_write(path, body, fsync=True)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

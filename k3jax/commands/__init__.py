@@ -64,15 +64,9 @@ def output_path(path: str, suffix: str | None = None) -> str:
 def atomic_write(path: str, write) -> str:
     """`write(file)` into a temporary name next to `path`, renamed onto it when complete:
     an interrupted or failed write never leaves a half-written result."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with writing(path), open(tmp, "wb") as f:   # a full disk names `path`, not the temporary
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    from k3jax import textfiles
+    with writing(path):      # a full disk names `path`, not the temporary
+        return textfiles.atomic_write(path, write)
 
 
 _DISK = (("No space left", errno.ENOSPC), ("os_error_code='28'", errno.ENOSPC), ("Disk quota", errno.EDQUOT),

@@ -34,25 +34,15 @@ def run(args) -> int:
     import jax
     import numpy as np
 
-    from k3jax.checkpoint.load import is_model_dir, load_model_dir
-    from k3jax.config import load
     from k3jax.layout import layer_plan
-    from k3jax.model import forward, init_params
+    from k3jax.model import forward
 
     mesh = rules = None
     if args.mesh is not None:
-        from k3jax import sharding
-        mesh, rules = sharding.load_mesh(args.mesh)
+        from k3jax.mesh import batch_sharding, fit_spec, load_mesh, use_mesh
+        mesh, rules = load_mesh(args.mesh)
     dispatch = args.moe_dispatch
-    from_dir = is_model_dir(args.config)
-    runtime = {"kda_impl": args.kda_impl, "moe_dispatch": dispatch, "expert_format": args.expert_format}
-    if from_dir:
-        shardings = None if mesh is None else (lambda c: sharding.param_shardings(c, mesh, rules))
-        t = time.perf_counter()
-        k3, params = load_model_dir(args.config, runtime, shardings)
-        cfg, load_s = k3.text, time.perf_counter() - t
-    else:
-        cfg = load(args.config, **runtime)
+    cfg, params, load_s = _cfg_and_params(args, mesh, rules)
     plan = layer_plan(cfg)
     where = (f"mesh {dict(mesh.shape)}" if mesh is not None
              else f"devices: {jax.devices()[0].platform} x{jax.device_count()}")
@@ -66,17 +56,15 @@ def run(args) -> int:
     with contextlib.ExitStack() as stack:
         t = time.perf_counter()
         if mesh is not None:
-            stack.enter_context(sharding.use_mesh(mesh, rules))
-        if not from_dir and mesh is None:
-            params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(args.seed)))
-        elif not from_dir:
-            params = jax.block_until_ready(sharding.init_params_sharded(cfg, jax.random.PRNGKey(args.seed), mesh, rules))
+            stack.enter_context(use_mesh(mesh, rules))
+        if params is None:
+            params = jax.block_until_ready(_random_params(cfg, args.seed, mesh, rules))
         if mesh is not None:
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
-            spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
+            spec = fit_spec(tokens.shape, batch_sharding(mesh, rules).spec, dict(mesh.shape))
             tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
         n = sum(x.size for x in jax.tree.leaves(params))
-        if from_dir:
+        if load_s is not None:
             print(f"loaded {args.config}: {n:,d} params in {load_s:.1f} s", flush=True)
         else:
             print(f"init: {n:,d} params in {time.perf_counter() - t:.1f} s", flush=True)
@@ -93,11 +81,36 @@ def run(args) -> int:
     return 0
 
 
+def _cfg_and_params(args, mesh, rules):
+    """(config, params, seconds it took to load them) of a model directory, its params
+    restored onto the mesh when there is one; (config, None, None) for a config, whose
+    params `run` initialises under the mesh."""
+    from k3jax.checkpoint.load import is_model_dir, load_model_dir
+    from k3jax.config import load
+    runtime = {"kda_impl": args.kda_impl, "moe_dispatch": args.moe_dispatch, "expert_format": args.expert_format}
+    if not is_model_dir(args.config):
+        return load(args.config, **runtime), None, None
+    from k3jax.model import param_shardings
+    shardings = None if mesh is None else (lambda c: param_shardings(c, mesh, rules))
+    t = time.perf_counter()
+    k3, params = load_model_dir(args.config, runtime, shardings)
+    return k3.text, params, time.perf_counter() - t
+
+
+def _random_params(cfg, seed: int, mesh, rules):
+    """Random-init params, sharded over the mesh when there is one (under its `use_mesh`)."""
+    import jax
+
+    from k3jax.model import init_params, init_params_sharded
+    key = jax.random.PRNGKey(seed)
+    return init_params(cfg, key) if mesh is None else init_params_sharded(cfg, key, mesh, rules)
+
+
 def _effective_dispatch(cfg, mesh, rules) -> str:
     """`describe_dispatch` under this mesh (or none)."""
-    from k3jax import sharding
+    from k3jax.mesh import use_mesh
     from k3jax.ops.moe_dispatch import describe_dispatch
     with contextlib.ExitStack() as stack:
         if mesh is not None:
-            stack.enter_context(sharding.use_mesh(mesh, rules))
+            stack.enter_context(use_mesh(mesh, rules))
         return describe_dispatch(cfg)

@@ -93,7 +93,7 @@ def run(args) -> int:
 def _generate_text(args, gen, sampling, out_path) -> int:
     from k3jax.commands import atomic_write
     from k3jax.errors import check_token_ids
-    from k3jax.vision.multimodal import load_npy
+    from k3jax.vision.inputs import load_npy
 
     if args.prompt is not None:
         prompt = args.prompt

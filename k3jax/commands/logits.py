@@ -33,12 +33,12 @@ def run(args) -> int:
 
     from k3jax.checkpoint.load import load_config, load_model_dir
     from k3jax.commands import atomic_write, output_path
-    from k3jax.errors import check_token_ids
-    from k3jax.model import InputError, forward
-    from k3jax.vision import multimodal as mm
+    from k3jax.errors import InputError, check_token_ids
+    from k3jax.model import forward, multimodal as mm
+    from k3jax.vision import inputs
 
     out_path = output_path(args.out, ".npy")          # before anything is loaded
-    tokens = mm.load_npy(args.tokens, "--tokens")
+    tokens = inputs.load_npy(args.tokens, "--tokens")
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2:
@@ -48,19 +48,19 @@ def run(args) -> int:
                "expert_format": args.expert_format}
     declared = load_config(args.dir)
     tokens = check_token_ids(tokens, declared.text.vocab_size, args.tokens)   # before the int32 cast
-    images = mm.images_from_args(args, declared.vision, args.dir)
+    images = inputs.images_from_args(args, declared.vision, args.dir)
     pixels = grids = None
     if images is not None:
         pixels, grids = images
         img = mm.prepare_images(declared.vision, pixels, grids)  # bad images fail before the weights load
-        tokens = mm.expand_tokens(tokens, img.rows, mm.media_pad_id(declared))
+        tokens = inputs.expand_tokens(tokens, img.rows, inputs.media_pad_id(declared))
 
     def run_forward(cfg, k3, params, tokens):
         from k3jax.train import qat
         params = qat.view(cfg, params)   # a QAT run's weights as its forward saw them
         if images is None:
             return forward(cfg, params, tokens)
-        return mm.forward_with_images(cfg, k3.vision, params, tokens, pixels, grids, pad_id=mm.media_pad_id(k3))
+        return mm.forward_with_images(cfg, k3.vision, params, tokens, pixels, grids, pad_id=inputs.media_pad_id(k3))
 
     if args.mesh is None:
         k3, params = load_model_dir(args.dir, runtime, vision=images is not None)
@@ -68,15 +68,16 @@ def run(args) -> int:
     else:
         import jax
 
-        from k3jax import sharding
-        mesh, rules = sharding.load_mesh(args.mesh)
+        from k3jax.mesh import batch_sharding, fit_spec, load_mesh, use_mesh
+        from k3jax.model import param_shardings
+        mesh, rules = load_mesh(args.mesh)
         # restored straight onto the mesh: no host ever holds the whole tree (Orbax input)
-        k3, params = load_model_dir(args.dir, runtime, lambda c: sharding.param_shardings(c, mesh, rules),
+        k3, params = load_model_dir(args.dir, runtime, lambda c: param_shardings(c, mesh, rules),
                                     vision=images is not None)
         cfg = k3.text
-        with sharding.use_mesh(mesh, rules):
+        with use_mesh(mesh, rules):
             # a batch smaller than the batch axes stays replicated along the axes it cannot fill
-            spec = sharding.fit_spec(tokens.shape, sharding.batch_sharding(mesh, rules).spec, dict(mesh.shape))
+            spec = fit_spec(tokens.shape, batch_sharding(mesh, rules).spec, dict(mesh.shape))
             tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
             logits = np.asarray(run_forward(cfg, k3, params, tokens), np.float32)
     atomic_write(out_path, lambda f: np.save(f, logits))

@@ -80,22 +80,28 @@ def _gib(n) -> str:
     return f"{n / (1 << 30):10.2f} GiB"
 
 
+def plan_options(args, **given):
+    """PlanOptions from the flags `plan` and `compile` share; `given` the rest (mode, devices,
+    ...), as each command takes them."""
+    from k3jax.plan import PlanOptions
+    return PlanOptions(batch=args.batch, grad_accum=args.grad_accum, seq=args.seq, remat=args.remat,
+                       optimizer=args.optimizer, param_dtype=args.param_dtype,
+                       expert_format=args.expert_format, hbm_gib=args.hbm_gib,
+                       ep_capacity_factor=args.ep_capacity, lora_rank=args.lora_rank,
+                       lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
+                       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
+                       lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze), objective=args.objective,
+                       rollout_slots=args.rollout_slots, kl_beta=args.kl_beta, **given)
+
+
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
-    from k3jax.mesh import describe_runtime, preset_for, preset_runtime
-    from k3jax.plan import PlanOptions, choose_grad_accum, fit_suggestions, plan
-    from k3jax.sharding import load_preset
+    from k3jax.mesh import load_preset, preset_for, preset_runtime
+    from k3jax.plan import choose_grad_accum, fit_suggestions, plan
 
     k3 = load_any_config(args.config)
     preset = load_preset(args.mesh)
-    opt = PlanOptions(mode=args.mode, batch=args.batch, grad_accum=args.grad_accum, seq=args.seq, remat=args.remat,
-                      optimizer=args.optimizer, param_dtype=args.param_dtype,
-                      expert_format=args.expert_format, devices=args.devices, hbm_gib=args.hbm_gib,
-                      ep_capacity_factor=args.ep_capacity, lora_rank=args.lora_rank,
-                      lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
-                      lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-                      lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze), objective=args.objective,
-                      rollout_slots=args.rollout_slots, kl_beta=args.kl_beta)
+    opt = plan_options(args, mode=args.mode, devices=args.devices)
     given = {"ep_buffer_mib": args.ep_buffer_mib} if args.ep_buffer_mib is not None else {}
     chosen = args.grad_accum is None and args.mode == "train"
     opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text.with_runtime(**given), preset, opt,
@@ -109,7 +115,14 @@ def run(args) -> int:
                              else fit_suggestions(text, preset, opt, _total_params(args.config)))
     if args.json:
         print(json.dumps(out))
-        return 0
+    else:
+        _print_plan(args, out, chosen)
+    return 0
+
+
+def _print_plan(args, out: dict, chosen: bool) -> None:
+    """`plan`'s report as lines; `chosen`: the planner picked the microbatch count."""
+    from k3jax.mesh import describe_runtime
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
     print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
@@ -129,18 +142,17 @@ def run(args) -> int:
         o = out["detail"]["objective"]
         print(f"  rollout (between updates: params, optimizer state, reference, caches): "
               f"{o['rollout_total'] / (1 << 30):.2f} GiB; the total is the larger of it and the update's")
-    if from_preset:
-        print(describe_runtime(out["mesh"], from_preset)
+    if out["runtime_from_preset"]:
+        print(describe_runtime(out["mesh"], out["runtime_from_preset"])
               + " (the preset's settings; a flag or runtime.KEY= in train changes them)")
     if out["hbm_bytes"] is None:
         print("fits: unknown (give --hbm-gib)")
-        return 0
+        return
     print(f"fits: {'yes' if out['fits'] else 'NO'} (HBM {_gib(out['hbm_bytes']).strip()} per device)")
     if not out["fits"]:
         print("  would fit with: " + ("; or ".join(out["would_fit_with"]) if out["would_fit_with"] else
                                       "nothing the planner varies (exchange buffer, remat, optimizer, expert "
                                       "LoRA rank, microbatches); more devices (a larger mesh) or fewer tokens a step"))
-    return 0
 
 
 def runtime_values(settings: dict) -> dict:

@@ -47,8 +47,8 @@ def run(args) -> int:
     from k3jax.commands import atomic_write, output_path
     from k3jax.config import ConfigError
     from k3jax.layers.vision import check_grids, rows_per_image, vision_features
-    from k3jax.model import InputError
-    from k3jax.vision.multimodal import images_from_files, load_npy
+    from k3jax.errors import InputError
+    from k3jax.vision.inputs import images_from_files, load_npy
 
     out = output_path(args.out, ".npy")             # checked before anything is loaded
     grids_out = output_path(args.grids_out, ".npy") if args.grids_out else None

@@ -23,7 +23,8 @@ import numpy as np
 from k3jax.config import ModelConfig, VisionConfig
 from k3jax.infer.caches import Cache, apply_updates, empty_past, init_cache
 from k3jax.infer.sampling import SamplingParams, sample, step_key
-from k3jax.model import InputError, K3Model, validate_inputs, variables_of
+from k3jax.errors import InputError
+from k3jax.model import K3Model, validate_inputs, variables_of
 
 
 def _run(cfg, params, past_layers, lengths, tokens, n_new, features=None, rows=None):
@@ -83,7 +84,7 @@ def prefill(cfg: ModelConfig, params, tokens, lengths=None, *, max_len: int | No
     `chunk` splits long prompts into pieces of that many tokens (bounded attention
     memory; the first piece is a fresh prefill, the rest extend it). Images: projector
     rows `image_features` [N, D] and `feature_rows` [B, T] (the row each position takes,
-    −1 for text; `k3jax.vision.merge.feature_rows`), sliced per piece alongside the tokens.
+    −1 for text; `k3jax.model.multimodal.feature_rows`), sliced per piece alongside the tokens.
     Returns (logits [B, V] fp32 at each row's last real token, cache).
     """
     tokens, n = _as_batch(tokens, lengths)
@@ -185,7 +186,7 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new
             tokens[b, :len(p)] = p
         img = {}
         if image_features is not None:
-            from k3jax.vision.merge import check_media_rows, feature_rows
+            from k3jax.model.multimodal import check_media_rows, feature_rows
             valid = np.arange(tokens.shape[1])[None] < n[:, None]
             check_media_rows(tokens, media_pad_id, image_features.shape[0], valid)
             img = {"image_features": image_features, "feature_rows": feature_rows(tokens, media_pad_id, valid)}
@@ -217,7 +218,8 @@ def generate_with_images(cfg: ModelConfig, vcfg: VisionConfig | None, params, pr
     """`generate` for prompts that carry images: the pads are expanded
     (`expand_prompts`), the image features are computed once, prefill writes them into the
     pad rows, and decode continues on the cache as for text. Returns the generated ids."""
-    from k3jax.vision.multimodal import expand_prompts, image_features, prepare_images, split_params
+    from k3jax.model.multimodal import image_features, prepare_images, split_params
+    from k3jax.vision.inputs import expand_prompts
 
     images = prepare_images(vcfg, pixels, grid_thws)
     expanded = expand_prompts(prompts, images.rows, pad_id)

@@ -60,8 +60,8 @@ class MeshScope:
     def shardings(self):
         if self.mesh is None:
             return None
-        from k3jax import sharding
-        return lambda c: sharding.param_shardings(c, self.mesh, self.rules)
+        from k3jax.model import param_shardings
+        return lambda c: param_shardings(c, self.mesh, self.rules)
 
     def __call__(self):
         if self.mesh is None:
@@ -126,7 +126,7 @@ class Generator:
 
     @property
     def text_params(self):
-        from k3jax.vision.multimodal import split_params
+        from k3jax.model.multimodal import split_params
         return split_params(self.params)[0]
 
     # -- ids ---------------------------------------------------------------------------
@@ -224,13 +224,13 @@ class Generator:
                       scope=self.mesh, **kw)
 
     def _media_pad(self) -> int:
-        from k3jax.vision.multimodal import media_pad_id
+        from k3jax.vision.inputs import media_pad_id
         if self.k3 is None:
             raise InputError("images need the model's K3Config (load the model directory with Generator.load)")
         return media_pad_id(self.k3)
 
     def _with_images(self, prompts, sources, max_new_tokens, sampling, **kw):
-        from k3jax.vision.multimodal import images_from_files
+        from k3jax.vision.inputs import images_from_files
         pad = self._media_pad()
         if self.k3.vision is None:
             raise InputError(f"{self.model_dir or 'this model'} has no vision tower: it cannot take images")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from k3jax.model import InputError
+from k3jax.errors import InputError
 
 
 @dataclass(frozen=True)

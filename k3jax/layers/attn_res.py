@@ -55,6 +55,7 @@ class AttnRes(nn.Module):
     eps: float
 
     @nn.compact
+    @jax.named_scope("attn_res")
     def __call__(self, stack, count, p, pending=None, has_pending=None):
         d = p.shape[-1]
         norm_w = self.param("norm", logical(nn.initializers.ones, ("embed",)), (d,), jnp.float32)

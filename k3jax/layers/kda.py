@@ -108,6 +108,7 @@ class KimiDeltaAttention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
+    @jax.named_scope("kda")     # a profile's stages read by name (also "mla", "moe_*", "attn_res")
     def __call__(self, x, segment_ids=None, cache=None, n_new=None):
         cfg = self.cfg
         H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size

@@ -90,6 +90,7 @@ class GatedMLA(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
+    @jax.named_scope("mla")
     def __call__(self, x, segment_ids=None, cache=None, lengths=None):
         cfg = self.cfg
         H, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

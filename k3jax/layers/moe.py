@@ -61,7 +61,8 @@ class StableLatentMoE(nn.Module):
         xf = x.reshape(-1, D)
         gate_w = self.param("gate", logical(nn.initializers.normal(0.02), ("embed", "router")), (D, E), param_dtype(cfg))
         bias = self.param("e_score_correction_bias", logical(nn.initializers.zeros, ("expert",)), (E,), jnp.float32)
-        idx, w, scores = route(xf, gate_w, bias, k, cfg.moe_renormalize, cfg.routed_scaling_factor)
+        with jax.named_scope("moe_router"):
+            idx, w, scores = route(xf, gate_w, bias, k, cfg.moe_renormalize, cfg.routed_scaling_factor)
         self.sow("intermediates", "router_scores", scores)
         self.sow("intermediates", "router_idx", idx)
 

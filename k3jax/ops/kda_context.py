@@ -110,7 +110,7 @@ def sharded_kda(q, k, v, g, beta, *, spec, mesh=None, segment_ids=None, initial_
     instead, the chunk loop's reshapes and the Pallas calls had it all-gather q, k, v and
     run the whole global batch and every head on every device.
 
-    mesh: a Mesh, or None for the one in context (`jax.set_mesh`, or `sharding.use_mesh`).
+    mesh: a Mesh, or None for the one in context (`jax.set_mesh`, or `k3jax.mesh.use_mesh`).
     Other arguments are `kda`'s (initial_state [B, H, K, V] split like the heads). Returns
     (o split like v, final state or None).
     """

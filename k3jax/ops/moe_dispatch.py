@@ -287,6 +287,7 @@ def _ep_local(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx,
     return y.reshape(-1, y.shape[-1])[:n], jnp.sum(dropped, axis=0)
 
 
+@jax.named_scope("moe_exchange")
 def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, idx, w, *, weights, adapters):
     """One exchange: tokens `z` [n, H] to the experts' devices and back, in one or two
     rounds (`ep_rounds`)."""
@@ -474,6 +475,7 @@ def experts_gather(cfg: ModelConfig, act, z, idx, w, weights, adapters):
 DISPATCH = {"dense": experts_dense, "ragged": experts_ragged, "ep": experts_ep, "gather": experts_gather}
 
 
+@jax.named_scope("moe_dispatch")
 def routed_experts(cfg: ModelConfig, act, z, idx, w, weights, adapters):
     """(y [N, H] fp32, pairs the 'ep' capacity dropped: int32 scalar, 0 where none can be)."""
     if drops_pairs(cfg):

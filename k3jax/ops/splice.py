@@ -1,6 +1,6 @@
 """Rows of image features written into a sequence of embeddings: the one splice both the
 multimodal model (`K3Model`'s `image_features` / `feature_rows`) and
-`k3jax.vision.merge_image_features` use."""
+`k3jax.model.multimodal.merge_image_features` use."""
 from __future__ import annotations
 
 import jax.numpy as jnp

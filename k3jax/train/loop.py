@@ -1,4 +1,5 @@
-"""The run: config → run dir → params → (resume) → steps with logging and checkpoints → sample.
+"""The run: config → run dir → params → (resume) → steps with logging and checkpoints → sample
+(the resume and the steps: session.py).
 
 Run directory `{output_dir}/{run_name}`, a local path or a URL such as gs://bucket/runs
 (rundir.py): `config.yaml` (resolved model + train config), `checkpoints/` (Orbax, async,
@@ -24,37 +25,18 @@ the resumed step are dropped first so the file reads as one run.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, RUN_CONFIG, RUN_METRICS, checkpoint_steps
+from k3jax.checkpoint.dirs import RUN_CHECKPOINTS, checkpoint_steps
 from k3jax.config import CONFIG_DIR, ConfigError, load_k3
-from k3jax.distributed import barrier
 from k3jax.errors import RunDirError
-from k3jax.train import config as tconf, objectives, preemption, rundir
+from k3jax.train import config as tconf, objectives, preemption, rundir, session
 from k3jax.train.flops import flops_per_token, measured_peak_flops  # noqa: F401  (imported from here too)
-
-
-class _Progress:
-    """A one-line progress bar on stderr for process 0 when it is a terminal."""
-    def __init__(self, total: int):
-        self.total, self.on = total, jax.process_index() == 0 and sys.stderr.isatty()
-
-    def update(self, step: int, loss: float):
-        if self.on:
-            done = int(30 * step / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} loss {loss:.4f}")
-            sys.stderr.flush()
-
-    def close(self):
-        if self.on:
-            sys.stderr.write("\n")
+from k3jax.train.session import RunContext
 
 
 def _initial_params(cfg, tc, key, mesh=None, vision=None):
@@ -67,8 +49,8 @@ def _initial_params(cfg, tc, key, mesh=None, vision=None):
     if cfg.runtime.lora is not None and LORA_KEY not in params:
         out = None
         if mesh is not None:
-            from k3jax import sharding
-            out = sharding.param_shardings(cfg, *mesh)[LORA_KEY]
+            from k3jax.model import param_shardings
+            out = param_shardings(cfg, *mesh)[LORA_KEY]
         params[LORA_KEY] = jax.jit(lambda k: init_params(cfg, k)[LORA_KEY], out_shardings=out)(key)
     return params
 
@@ -78,8 +60,8 @@ def _base_params(cfg, tc, key, mesh=None, vision=None):
         return _multimodal_params(cfg, tc, key, mesh, vision)
     shardings = None
     if mesh is not None:
-        from k3jax import sharding
-        shardings = lambda c: sharding.param_shardings(c, *mesh)  # noqa: E731
+        from k3jax.model import init_params_sharded, param_shardings
+        shardings = lambda c: param_shardings(c, *mesh)  # noqa: E731
     if tc["init_from"]:
         from k3jax.checkpoint.load import load_model_dir   # another module's loader; lazy
         k3, params = load_model_dir(tc["init_from"], runtime=tc["runtime"], shardings=shardings)
@@ -87,7 +69,7 @@ def _base_params(cfg, tc, key, mesh=None, vision=None):
             raise ConfigError(f"init_from {tc['init_from']}: its model config differs from the run's config")
         return params
     if mesh is not None:
-        return sharding.init_params_sharded(cfg, key, *mesh)
+        return init_params_sharded(cfg, key, *mesh)
     from k3jax.model import init_params
     return init_params(cfg, key)
 
@@ -106,7 +88,7 @@ def _multimodal_params(cfg, tc, key, mesh, vision):
     from k3jax.layers.common import param_dtype
     from k3jax.layers.vision import init_vision_params
     from k3jax.model import init_params
-    from k3jax.vision.multimodal import VISION_KEY
+    from k3jax.model.multimodal import VISION_KEY
     text_key, vision_key = jax.random.split(key)
     return {**init_params(cfg, text_key), VISION_KEY: init_vision_params(vision, vision_key, param_dtype(cfg))}
 
@@ -164,8 +146,8 @@ def accum_batch_shardings(mesh, spec: dict) -> dict:
     axes, and per-row values (GRPO's advantages, [grad_accum, batch]) over the batch axes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from k3jax import sharding
-    rows = (None, *sharding.batch_sharding(*mesh).spec)
+    from k3jax.mesh import batch_sharding
+    rows = (None, *batch_sharding(*mesh).spec)
     return {k: NamedSharding(mesh[0], P(*rows[:len(shape)])) for k, (shape, _) in spec.items()}
 
 
@@ -228,13 +210,13 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     its expert axis is > 1; without one, everything runs on the default device."""
     if mesh is None:
         return _run(config_path, overrides, log, None)
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh, load_preset, preset_for, use_mesh
     from k3jax.mesh import describe_runtime, preset_runtime
     section = load_k3(config_path).train
     given = tconf.parse_overrides(overrides or [])
     batch = tconf.resolve(section, given)["data"]["batch_size"]
-    preset = sharding.preset_for(mesh, "train", batch, jax.device_count())
-    if preset.name != sharding.load_preset(mesh).name:
+    preset = preset_for(mesh, "train", batch, jax.device_count())
+    if preset.name != load_preset(mesh).name:
         log(f"mesh {mesh}: training on {preset.name} ({batch} sequences per step)")
     # the preset's runtime settings where the config and the overrides give none (as plan
     # and compile take them); they go into the run's config.yaml like any override
@@ -242,8 +224,8 @@ def run(config_path: str, overrides: list[str] | None = None, log=print, mesh: s
     if from_preset:
         overrides = list(overrides or []) + [f"runtime.{k}={v}" for k, v in from_preset.items()]
         log(describe_runtime(preset.name, from_preset))
-    m, rules = sharding.load_mesh(preset)
-    with sharding.use_mesh(m, rules):
+    m, rules = load_mesh(preset)
+    with use_mesh(m, rules):
         return _run(config_path, overrides, log, (m, rules))
 
 
@@ -288,11 +270,9 @@ def _preflight(cfg, tc) -> None:
     """Checks that need the model but no params: freeze patterns that match nothing, an
     init_from that is not a model directory. Before anything is read or written."""
     if tc["optimizer"]["freeze"]:
-        from flax import linen as nn
-
-        from k3jax.model import abstract_params
+        from k3jax.model import param_shapes
         from k3jax.train.muon import path_str
-        paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_params(cfg)))]
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(param_shapes(cfg))]
         tconf.check_freeze(tc["optimizer"]["freeze"], paths)
     if tc["init_from"]:
         from k3jax.checkpoint.load import resolve
@@ -300,23 +280,6 @@ def _preflight(cfg, tc) -> None:
     if tc["data"]["loader"] == "grain":
         from k3jax.train.stream import require_grain
         require_grain()       # the extra's message before the run directory is touched
-
-
-class _StorageFailure(Exception):
-    """A run-file or checkpoint write that failed for lack of disk (rundir.is_storage_error)."""
-
-    def __init__(self, what: str, error: BaseException):
-        super().__init__(what)
-        self.what, self.error = what, error
-
-
-def _io(what: str, fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:   # noqa: BLE001  (only the disk's errors are turned into a failure)
-        if rundir.is_storage_error(e):
-            raise _StorageFailure(what, e) from e
-        raise
 
 
 def _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
@@ -332,20 +295,37 @@ def _train(k3, cfg, tc, run_dir, config_path, main, say, log, mesh) -> int:
         evaluate = objectives.evaluator(cfg, tc, tok, k3, d["eval_path"] and _data_path(d["eval_path"]))
         if evaluate is not None:
             log(f"eval: {evaluate.ds.summary()} ({d['eval_path']})")
-        return _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok, evaluate)
+        return _train_on(RunContext(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok, evaluate))
     finally:
         batches.close()
 
 
-def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, tok, evaluate) -> int:
-    import orbax.checkpoint as ocp
-
-    from k3jax.train import muon, step as tstep
-
-    d = tc["data"]
-    vision = k3.vision if batches.has_images else None   # chat data with images
-
+def _train_on(ctx: RunContext) -> int:
+    """Build the state, resume it, compile its step, train, report: the run's exit code."""
+    cfg, tc, d = ctx.cfg, ctx.tc, ctx.tc["data"]
     t0 = time.perf_counter()
+    state, stepper = _build_state(ctx)
+    mgr, state = session.restore(ctx, state, stepper.groups)
+    start = int(state.step)
+    ctx.log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {ctx.run_dir}")
+    stepper, precompiled = session.precompile(ctx, stepper, state, start)
+    watch = preemption.PreemptionWatch()
+    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), stepper.groups,
+                          cfg.num_experts_per_token or 1)
+    peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
+    meter = session.Meter(d["batch_size"] * d["grad_accum"] * d["seq_len"], fpt, peak)
+    lp = session.Loop(mgr, stepper, state, start, precompiled, watch, meter, session.Progress(tc["steps"]), step=start)
+    del state   # lp.state from here on: each step donates it and returns the next
+    session.run_steps(ctx, lp)
+    return _finish(ctx, lp, t0)
+
+
+def _build_state(ctx: RunContext) -> tuple:
+    """(the initial TrainState, its session.Stepper): params from init_from or fresh, the
+    optimizer, the train step; under a mesh all born sharded and the step's shardings pinned."""
+    from k3jax.train import muon, step as tstep
+    cfg, tc, mesh, log = ctx.cfg, ctx.tc, ctx.mesh, ctx.log
+    vision = ctx.k3.vision if ctx.batches.has_images else None   # chat data with images
     params = _initial_params(cfg, tc, jax.random.PRNGKey(tc["seed"]), mesh, vision)
     tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], tc["steps"],
                                       tc["lora"] if cfg.runtime.lora is not None else None)
@@ -354,178 +334,70 @@ def _train_on(k3, cfg, tc, run_dir, config_path, main, say, log, mesh, batches, 
         log(f"lora: rank {cfg.runtime.lora.rank}, {len(cfg.runtime.lora.targets)} projections per layer kind, "
             f"{n:,d} adapter params trained; the base is frozen")
     train_step = tstep.make_train_step(cfg, tc, tx, groups, **({} if vision is None else {
-        "vision": vision, "media_pad_id": tok.token_id("<|media_pad|>")}))
+        "vision": vision, "media_pad_id": ctx.tok.token_id("<|media_pad|>")}))
     if mesh is None:
-        state = tstep.init_state(params, tx, groups)
-        place_batch = lambda b: b  # noqa: E731
-    else:
-        spec = objectives.batch_spec(cfg, tc)
-        rows = accum_batch_shardings(mesh, spec)  # {key: sharding of its [accum, B, T] or [accum, B]}
-        if batches.local:   # a streamed loader gives each process the rows of its own devices
-            place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows[k], v, spec[k][0])  # noqa: E731
-                                     for k, v in b.items()}
-        else:               # every process computes the same global batch from (seed, step) and
-            # hands over only the slices its own devices hold
-            place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows[k], lambda i, v=v: v[i])  # noqa: E731
-                                     for k, v in b.items()}
-        state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
-        del params
-        from k3jax.ops.moe_dispatch import describe_dispatch   # run() holds the mesh as the context mesh
-        log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
-            f"moe dispatch {describe_dispatch(cfg)}")
+        return tstep.init_state(params, tx, groups), session.Stepper(train_step, lambda b: b, groups)
+    spec = objectives.batch_spec(cfg, tc)
+    rows = accum_batch_shardings(mesh, spec)  # {key: sharding of its [accum, B, T] or [accum, B]}
+    if ctx.batches.local:   # a streamed loader gives each process the rows of its own devices
+        place_batch = lambda b: {k: jax.make_array_from_process_local_data(rows[k], v, spec[k][0])  # noqa: E731
+                                 for k, v in b.items()}
+    else:               # every process computes the same global batch from (seed, step) and
+        # hands over only the slices its own devices hold
+        place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows[k], lambda i, v=v: v[i])  # noqa: E731
+                                 for k, v in b.items()}
+    state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
+    del params
+    from k3jax.ops.moe_dispatch import describe_dispatch   # run() holds the mesh as the context mesh
+    log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "
+        f"moe dispatch {describe_dispatch(cfg)}")
+    return state, session.Stepper(train_step, place_batch, groups, spec, rows)
 
-    if main:   # under the lock, before any process saves
-        rundir.remove_unfinished_checkpoints(f"{run_dir}/{RUN_CHECKPOINTS}", log)
-    barrier("initialised")   # Orbax's first directory sync is a device collective
-    opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
-    mgr = ocp.CheckpointManager(f"{run_dir}/{RUN_CHECKPOINTS}", options=opts)
-    objectives.prepare(cfg, tc, state.params, batches, evaluate, log)   # with the initial params
-    latest = mgr.latest_step()
-    if latest is not None:
-        # only what a checkpoint holds (a LoRA run: its adapters and router biases, step.checkpoint_view)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tstep.checkpoint_view(state, groups))
-        state = tstep.from_checkpoint_view(state, mgr.restore(latest, args=ocp.args.StandardRestore(abstract)),
-                                           groups)
-        if batches.state() is not None:
-            batches.restore(rundir.read_data_state(run_dir, latest, jax.process_index()))
-        log(f"resumed from step {latest} ({run_dir}/checkpoints)")
-    start = int(state.step)
-    log(f"init {time.perf_counter() - t0:.1f} s; training steps {start}..{tc['steps']} in {run_dir}")
-    precompiled = mesh is not None and start < tc["steps"]
-    if precompiled:
-        # compiled ahead of the loop: with the shardings pinned this is the one compile, and a
-        # batch or state that did not match it would be an error rather than a recompile
-        t = time.perf_counter()
-        train_step = train_step.lower(state, {k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows[k])
-                                              for k, (shape, dtype) in spec.items()}).compile()
-        log(f"compiled the train step in {time.perf_counter() - t:.1f} s")
-        barrier("compiled")   # the first step's collectives start together (distributed.initialize)
 
-    watch = preemption.PreemptionWatch()
-    tokens_per_step = d["batch_size"] * d["grad_accum"] * d["seq_len"]
-    fpt = flops_per_token(state.params, (cfg.num_experts_per_token or 1) / (cfg.num_experts or 1), groups,
-                          cfg.num_experts_per_token or 1)
-    peak = float(tc["peak_tflops"]) * 1e12 if tc["peak_tflops"] else measured_peak_flops()
-    bar = _Progress(tc["steps"])
-    rc, last_loss, t_log, steps_since, step = 0, None, time.perf_counter(), 0, start
-    first_loss = None
-    written = {"config": False}
-    if evaluate is not None and start < tc["steps"]:
-        log(f"eval before step {start + 1}:{objectives.describe(evaluate(state.params))[2:]}")
-
-    issued = []
-
-    def save(step, state):
-        # config.yaml describes the checkpoints: written with the first one this run makes,
-        # never for a run that saves nothing (refused, nothing to do, a non-finite probe)
-        if main and not written["config"]:
-            _io(RUN_CONFIG, rundir.write_run_config, run_dir, k3, tc)
-            written["config"] = True
-        data_state = batches.state()
-        if data_state is not None:   # before the checkpoint: a checkpoint never lacks it
-            _io("data state", rundir.write_data_state, run_dir, step, jax.process_index(), data_state)
-        issued.append(step)
-        _io("checkpoint", mgr.save, step, args=ocp.args.StandardSave(tstep.checkpoint_view(state, groups)))
-        if data_state is not None and main:
-            rundir.prune_data_state(run_dir, set(mgr.all_steps()) | {step})
-
-    failure, handled = None, False
-    quiet = rundir.OrbaxErrorLog()
-    rundir.silence_abandoned_writes()
-    try:
-        with quiet, rundir.MetricsLog(f"{run_dir}/{RUN_METRICS}", keep_through=start, enabled=main, log=log) as mf:
-            for s in range(start, tc["steps"]):
-                _io("checkpoint", mgr.check_for_errors)    # an async save that failed stops the run here
-                batch = place_batch(objectives.batch_for(batches, s, state.params))
-                state, m = train_step(state, batch)
-                loss, gnorm = float(m["loss"]), float(m["grad_norm"])
-                steps_since += 1
-                step = s + 1
-                if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                    log(f"step {step}: non-finite loss {loss} / grad norm {gnorm}; stopping. "
-                        f"Last good checkpoint: step {mgr.latest_step()}")
-                    _io(RUN_METRICS, mf.write, {"step": step, "loss": None, "nonfinite": True})
-                    rc = 3
-                    break
-                first_loss = loss if first_loss is None else first_loss
-                last_loss = loss
-                bar.update(step, loss)
-                evaluating = evaluate is not None and objectives.eval_due(tc, step)
-                if step % tc["log_every"] == 0 or step == tc["steps"] or step == start + 1 or evaluating:
-                    dt = time.perf_counter() - t_log
-                    tps = tokens_per_step * steps_since / dt
-                    rec = {"step": step, "loss": loss, "grad_norm": gnorm, "tokens_per_s": tps,
-                           "tflops_per_device": tps * fpt / jax.device_count() / 1e12,
-                           "mfu": tps * fpt / jax.device_count() / peak, **objectives.step_metrics(m, batches, dt),
-                           **(evaluate(state.params) if evaluating else {})}
-                    if "load_max" in m:
-                        rec["load_max"], rec["load_min"] = float(m["load_max"]), float(m["load_min"])
-                        rec["load_per_layer"] = {p: np.asarray(v).round(3).tolist() for p, v in m["load"].items()}
-                    if "ep_dropped" in m:
-                        rec["ep_dropped"] = float(m["ep_dropped"])
-                    _io(RUN_METRICS, mf.write, rec)
-                    bal = (f" | experts max/min load {rec['load_max']:.2f}/{rec['load_min']:.2f}"
-                           if "load_max" in rec else "")
-                    bal += f" | ep dropped {100 * rec['ep_dropped']:.2f}%" if "ep_dropped" in rec else ""
-                    bar.close() if bar.on else None
-                    note = " (includes compile)" if step == start + 1 and not precompiled else ""
-                    log(f"step {step:5d} | loss {loss:.4f} | {tps:,.0f} tok/s | {rec['tflops_per_device']:.4f} "
-                        f"TFLOP/s/dev | MFU {rec['mfu']:.3f}{bal}{objectives.describe(rec)}{note}")
-                    t_log, steps_since = time.perf_counter(), 0
-                preempted = watch.reached(step)   # every step, on every process
-                if step % tc["ckpt_every"] == 0 or step == tc["steps"] or preempted:
-                    save(step, state)
-                if preempted:
-                    rc = preemption.PREEMPTED
-                    break
-        handled = True
-    except _StorageFailure as f:
-        failure, handled = f, True
-    finally:
-        with quiet:
-            try:
-                mgr.wait_until_finished()     # raises what the last async save hit
-                mgr.close()
-            except Exception as e:            # noqa: BLE001
-                if handled and failure is None and rundir.is_storage_error(e):
-                    failure = _StorageFailure("checkpoint", e)
-                elif handled and failure is None:
-                    raise
-        watch.close()
-        bar.close()
-    if failure is not None:
+def _finish(ctx: RunContext, lp: session.Loop, t0: float) -> int:
+    """The run's last lines, as the steps ended: a full disk raised as RunDirError naming
+    the last good checkpoint, the preempted save, or the losses, a sample and what to do next."""
+    tc, log, run_dir, step = ctx.tc, ctx.log, ctx.run_dir, lp.step
+    if lp.failure is not None:
         good = checkpoint_steps(f"{run_dir}/{RUN_CHECKPOINTS}")
         last = f"step {good[-1]} ({run_dir}/{RUN_CHECKPOINTS}/{good[-1]})" if good else "none"
-        what = failure.what
+        what = lp.failure.what
         if what == "checkpoint":   # an async save fails after the steps that follow it began
-            lost = [x for x in issued if x not in good]
+            lost = [x for x in lp.issued if x not in good]
             what = f"checkpoint of step {lost[0] if lost else step}"
-        raise RunDirError(f"{run_dir}: writing the {what} failed ({rundir.storage_reason(failure.error)}); "
+        raise RunDirError(f"{run_dir}: writing the {what} failed ({rundir.storage_reason(lp.failure.error)}); "
                           f"training stopped at step {step}. Last good checkpoint: {last}. "
                           "Free space and rerun the same command to resume from it")
-    if rc == preemption.PREEMPTED:
-        say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
-            f"exit code {rc}: rerun the same command to resume")
-    if rc == 0 and last_loss is not None:
+    if lp.rc == preemption.PREEMPTED:
+        ctx.say(f"SIGTERM: saved step {step} (process {jax.process_index()} of {jax.process_count()}); "
+                f"exit code {lp.rc}: rerun the same command to resume")
+    if lp.rc == 0 and lp.last_loss is not None:
+        first_loss, last_loss = lp.first_loss, lp.last_loss
         # GRPO's loss is ~0 each step by construction (group-normalised advantages, ratio 1
         # on a fresh rollout): a relative change says nothing; its progress is the reward
         change = ("" if objectives.is_grpo(tc) or first_loss <= 0 else
                   f" ({100 * (1 - last_loss / first_loss):.1f}% lower)")
         log(f"done: loss {first_loss:.4f} -> {last_loss:.4f}{change} in {time.perf_counter() - t0:.0f} s")
-        if tc["sample_tokens"] and jax.process_count() > 1:
-            log("sample: skipped (the end-of-run sample runs single-process only)")
-        elif tc["sample_tokens"] and d["format"] == "chat":
-            from k3jax.infer.generator import sample_reply
-            reply = sample_reply(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"],
-                                 thinking=d["chat"]["thinking"], thinking_effort=d["chat"]["thinking_effort"])
-            log(f"sample reply to {tc['sample_prompt']!r}: {reply}")
-        elif tc["sample_tokens"]:
-            from k3jax.train.sample import generate
-            text = generate(cfg, state.params, tok, tc["sample_prompt"], tc["sample_tokens"])
-            log(f"sample: {text!r}")
-    if rc == 0:
-        _log_next(log, run_dir, k3, tc, config_path)
-    return rc
+        _sample(ctx, lp.state.params)
+    if lp.rc == 0:
+        _log_next(log, run_dir, ctx.k3, tc, ctx.config_path)
+    return lp.rc
+
+
+def _sample(ctx: RunContext, params) -> None:
+    """The end-of-run sample (sample_tokens=): a chat reply, or a continuation of the prompt."""
+    tc, d, log = ctx.tc, ctx.tc["data"], ctx.log
+    if tc["sample_tokens"] and jax.process_count() > 1:
+        log("sample: skipped (the end-of-run sample runs single-process only)")
+    elif tc["sample_tokens"] and d["format"] == "chat":
+        from k3jax.infer.generator import sample_reply
+        reply = sample_reply(ctx.cfg, params, ctx.tok, tc["sample_prompt"], tc["sample_tokens"],
+                             thinking=d["chat"]["thinking"], thinking_effort=d["chat"]["thinking_effort"])
+        log(f"sample reply to {tc['sample_prompt']!r}: {reply}")
+    elif tc["sample_tokens"]:
+        from k3jax.train.sample import generate
+        text = generate(ctx.cfg, params, ctx.tok, tc["sample_prompt"], tc["sample_tokens"])
+        log(f"sample: {text!r}")
 
 
 def _log_next(log, run_dir, k3, tc, config_path):

@@ -19,10 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import linen as nn
 
 from k3jax.config import ModelConfig, expert_role
-from k3jax.model import LORA_KEY, abstract_params
+from k3jax.model import LORA_KEY, param_shapes
 from k3jax.ops.qat import round_bf16, straight_through
 
 
@@ -31,7 +30,7 @@ def rounded_paths(cfg: ModelConfig) -> frozenset:
     """Param paths the export writes as bf16 and the model does not handle itself: leaves
     held in bf16 when the params are bf16 (the others the model keeps in fp32, and the
     export with them), less the routed experts (ops.qat)."""
-    tree = nn.unbox(abstract_params(cfg.with_runtime(param_dtype="bfloat16", lora=None, qat=False)))
+    tree = param_shapes(cfg.with_runtime(param_dtype="bfloat16", lora=None, qat=False))
     return frozenset(tuple(k.key for k in p) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
                      if leaf.dtype == jnp.bfloat16 and expert_role([k.key for k in p]) is None)
 

@@ -26,6 +26,7 @@ import time
 from etils import epath
 
 from k3jax.checkpoint.dirs import RUN_CONFIG, RUN_DATA_STATE, RUN_LOCK, RUN_METRICS, is_url, pid_alive
+from k3jax import textfiles
 from k3jax.errors import RunDirError
 
 HEARTBEAT_S = 30.0
@@ -66,14 +67,7 @@ def write_text(path: str, text: str):
     if is_url(path):
         epath.Path(path).write_text(text)
         return
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    textfiles.atomic_write(path, lambda f: f.write(text.encode()))
 
 
 class RunLock:

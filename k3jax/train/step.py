@@ -41,11 +41,12 @@ from flax import struct
 from k3jax.config import ConfigError, ModelConfig, VisionConfig
 from k3jax.ops.moe_dispatch import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
-from k3jax.model import InputError, K3Model, variables_of
+from k3jax.errors import InputError
+from k3jax.model import K3Model, variables_of
 from k3jax.train import balancing, qat
 from k3jax.train.muon import path_str, trained_mask
-from k3jax.vision.merge import check_media_rows
-from k3jax.vision.multimodal import VISION_KEY, image_inputs, split_params
+from k3jax.model.multimodal import check_media_rows
+from k3jax.model.multimodal import VISION_KEY, image_inputs, split_params
 
 
 class TrainState(struct.PyTreeNode):

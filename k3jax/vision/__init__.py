@@ -1,9 +1,8 @@
-"""K3's native vision outside the tower itself: preprocessing, the checkpoint name map,
-writing image features into the text stream (`merge`) and the model with images next to
-tokens (`multimodal`: logits, generation, params). The tower is `k3jax.layers.vision`."""
-from k3jax.vision.merge import feature_rows, merge_image_features
+"""K3's native vision, the input side: preprocessing images into the tower's packed patches
+(`preprocess`), the checkpoint name map (`k3jax.checkpoint.vision_names`) and prompts and images
+from the command line (`inputs`). The tower is `k3jax.layers.vision`; the model with images next
+to tokens is `k3jax.model.multimodal`."""
 from k3jax.vision.preprocess import (MEDIA_PAD_TOKEN_ID, MediaConfig, expand_media_pads, patchify,
                                      preprocess_images, resize_plan)
 
-__all__ = ["feature_rows", "merge_image_features", "MEDIA_PAD_TOKEN_ID", "MediaConfig", "expand_media_pads",
-           "patchify", "preprocess_images", "resize_plan"]
+__all__ = ["MEDIA_PAD_TOKEN_ID", "MediaConfig", "expand_media_pads", "patchify", "preprocess_images", "resize_plan"]

@@ -232,7 +232,7 @@ def test_gather_dispatch_matches_dense(monkeypatch, preset, n, fmt, lora, one_by
     from k3jax.ops import moe_gather
     if one_by_one is not None:
         monkeypatch.setattr(moe_gather, "_SLICED_MAX", one_by_one)
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh, use_mesh
     from k3jax.config import LoraSpec
     from k3jax.layers.mlp import glu_activation
     from k3jax.ops.moe_dispatch import DISPATCH, experts_dense
@@ -259,8 +259,8 @@ def test_gather_dispatch_matches_dense(monkeypatch, preset, n, fmt, lora, one_by
     if preset is None:
         got = fn(z, idx, w, weights, adapters)
     else:
-        mesh, rules = sharding.load_mesh(preset)
-        with sharding.use_mesh(mesh, rules):
+        mesh, rules = load_mesh(preset)
+        with use_mesh(mesh, rules):
             got = fn(z, idx, w, weights, adapters)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
     assert np.abs(ref).max() > 0.1

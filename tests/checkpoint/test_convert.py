@@ -7,7 +7,6 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from flax import linen as nn
 
 from helpers import FIXTURES, SHARED, assert_logits_match, need, rel_l2, two_shard_multimodal_checkpoint
 from k3jax import cli
@@ -20,7 +19,7 @@ from k3jax.checkpoint.orbax_io import default_shardings, restore_params
 from k3jax.checkpoint.safetensors_io import INDEX_NAME, SafetensorsFile, ShardedCheckpoint, write_safetensors
 from k3jax.config import K3Config
 from k3jax.layers.vision import vision_features
-from k3jax.model import abstract_params
+from k3jax.model import param_shapes
 from k3jax.checkpoint.vision_names import load_vision_params
 
 REFERENCE = SHARED / "reference" / "kimi-k3"
@@ -110,7 +109,7 @@ def test_logits_command_from_orbax_matches_reference(fixture_a_orbax, tmp_path, 
 def test_restore_onto_mesh_shardings(fixture_a_orbax):
     cfg = K3Config.from_hf(fixture_a_orbax / "config.json").text
     assert jax.device_count() == 8
-    shardings = default_shardings(nn.unbox(abstract_params(cfg)))
+    shardings = default_shardings(param_shapes(cfg))
     params = restore_params(fixture_a_orbax, cfg, shardings)
     source = load_hf_params(cfg, FIXTURES / "fixture_a", dtype=np.float32)
     flat_p = dict(jax.tree_util.tree_leaves_with_path(params))

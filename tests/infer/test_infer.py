@@ -15,6 +15,8 @@ import pytest
 from helpers import FIXTURES, need, rel_l2
 from k3jax import config as C
 from k3jax import model as M
+from k3jax.layout import layer_plan
+from k3jax.errors import InputError
 from k3jax.checkpoint.hf_params import load_hf_params
 from k3jax.infer import caches
 from k3jax.infer import generate as G
@@ -40,7 +42,6 @@ def numpy_params(cfg, seed=0):
     """Random params with the fixtures' scales (fan-in matrices, norms near 1, AttnRes
     queries far from uniform, KDA gates spread), drawn in numpy: `init_params` would
     compile an init per layer kind, the costliest part of these tests on shared CPUs."""
-    from flax import linen as nn
     rng = np.random.default_rng(seed)
 
     def leaf(path, x):
@@ -64,7 +65,7 @@ def numpy_params(cfg, seed=0):
             v = rng.normal(size=shape) / np.sqrt(shape[-2])
             v *= {"gate_proj": 3.0, "up_proj": 8.0, "down_proj": 1 / 12}.get(parent, 1.0)
         return np.asarray(v, x.dtype)
-    return jax.tree_util.tree_map_with_path(leaf, nn.unbox(M.abstract_params(cfg)))
+    return jax.tree_util.tree_map_with_path(leaf, M.param_shapes(cfg))
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +147,7 @@ def test_cache_layout_matches_params_and_spec():
     cache = caches.init_cache(cfg, 2, MAX_LEN)
     params = setup("hybrid_toy")[1]
     assert set(cache.layers) == {k for k in params if k.startswith(("layers_", "groups"))}
-    plan = M.layer_plan(cfg)
+    plan = layer_plan(cfg)
     for j, (kind, _) in enumerate(plan.group):
         leaf = cache.layers["groups"][f"sub_{j}"]
         if kind == "mla":
@@ -291,9 +292,9 @@ def test_cli_generate_text_needs_a_tokenizer_for_the_real_vocabulary(monkeypatch
 
 def test_inputs_past_the_cache_are_clear_errors():
     cfg, params, tokens, _ = setup("hybrid_toy")
-    with pytest.raises(M.InputError, match="max_len"):
+    with pytest.raises(InputError, match="max_len"):
         G.prefill(cfg, params, tokens[:, :20], max_len=16)
-    with pytest.raises(M.InputError, match="vocabulary"):
+    with pytest.raises(InputError, match="vocabulary"):
         G.prefill(cfg, params, np.full((1, 4), cfg.vocab_size), max_len=16)
 
 

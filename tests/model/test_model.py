@@ -2,13 +2,16 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 
 from helpers import FIXTURES, REFERENCE_CONFIG, assert_logits_match, need
 from k3jax import config as C
 from k3jax import model as M
+from k3jax.model import transformer
+from k3jax.layout import layer_plan
+from k3jax.errors import InputError
 from k3jax.checkpoint.hf_params import load_hf_params, unflatten
 from k3jax.checkpoint.names import layer_location, tensor_map
 from k3jax.param_count import count_params
@@ -77,7 +80,7 @@ def test_packed_documents_equal_each_document_alone():
 def relayout(params, src: C.ModelConfig, dst: C.ModelConfig):
     """Move every tensor from src's tree layout to dst's, through the checkpoint name map."""
     flat = {tuple(k.key for k in p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}
-    shapes = nn.unbox(M.abstract_params(dst))
+    shapes = M.param_shapes(dst)
     out = {tuple(k.key for k in p): np.zeros(s.shape, s.dtype) for p, s in jax.tree_util.tree_leaves_with_path(shapes)}
     for e_src, e_dst in zip(tensor_map(src), tensor_map(dst)):
         assert e_src.hf == e_dst.hf
@@ -88,9 +91,9 @@ def relayout(params, src: C.ModelConfig, dst: C.ModelConfig):
 @pytest.mark.slow
 def test_scanned_groups_equal_unrolled_layers():
     unrolled = TOY.with_runtime(scan_layers=False)
-    plan = M.layer_plan(TOY)
+    plan = layer_plan(TOY)
     assert plan.n_groups == 2 and plan.group == (("kda", "moe"),) * 3 + (("mla", "moe"),)
-    assert M.layer_plan(unrolled).n_groups == 0
+    assert layer_plan(unrolled).n_groups == 0
     tokens = toy_tokens((2, 24), 3)
     seg = np.zeros_like(tokens)
     ref = np.asarray(run(unrolled, relayout(toy_params(), TOY, unrolled), tokens, seg))
@@ -100,7 +103,7 @@ def test_scanned_groups_equal_unrolled_layers():
 
 def test_k3_layer_plan_scans_kda_kda_kda_mla():
     cfg = C.load("k3")
-    plan = M.layer_plan(cfg)
+    plan = layer_plan(cfg)
     assert plan.group == (("kda", "moe"),) * 3 + (("mla", "moe"),)
     assert plan.n_groups == 22 and plan.head == (0, 1, 2, 3) and plan.tail == (92,)
     assert layer_location(cfg, 4) == (("groups", "sub_0"), (0,))
@@ -109,14 +112,42 @@ def test_k3_layer_plan_scans_kda_kda_kda_mla():
 
 
 def test_every_param_has_logical_axes():
-    boxed = M.abstract_params(C.load("k3"))
-    leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    assert leaves
-    for path, leaf in leaves:
-        assert isinstance(leaf, nn.Partitioned), jax.tree_util.keystr(path)
-        assert len(leaf.names) == leaf.value.ndim and all(leaf.names), jax.tree_util.keystr(path)
+    """Each param's declaration (`param_infos`) names every axis, and its shape and dtype are
+    the plain shapes callers get (`param_shapes`)."""
+    cfg = C.load("k3")
+    infos = M.param_infos(cfg)
+    is_info = lambda x: isinstance(x, M.ParamInfo)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(infos, is_leaf=is_info)
+    shapes = jax.tree.leaves(M.param_shapes(cfg))
+    assert leaves and len(leaves) == len(shapes)
+    for (path, info), s in zip(leaves, shapes):
+        assert len(info.axes) == len(info.shape) and all(info.axes), jax.tree_util.keystr(path)
+        assert info.shape == s.shape and info.dtype == s.dtype
         if path[0].key == "groups":
-            assert leaf.names[0] == "layers"
+            assert info.axes[0] == "layers"
+
+
+def test_a_profile_names_each_stage():
+    """The lowered toy step carries the stage scopes a profile is read by: KDA, MLA, AttnRes,
+    the router and the MoE dispatch, and under an expert mesh the 'ep' exchange."""
+    from k3jax.mesh import batch_sharding, load_mesh, use_mesh
+
+    def scopes(cfg, mesh=None):
+        shapes, tokens = M.param_shapes(cfg), jax.ShapeDtypeStruct((8, 16), jnp.int32)
+        if mesh is not None:
+            place = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)  # noqa: E731
+            shapes = jax.tree.map(place, shapes, M.param_shardings(cfg, *mesh))
+            tokens = place(tokens, batch_sharding(*mesh))
+        fn = jax.jit(lambda p, t: M.K3Model(cfg).apply(M.variables_of(p), t))
+        return fn.lower(shapes, tokens).as_text(debug_info=True)
+    text = scopes(TOY)
+    assert TOY.use_attn_res
+    for stage in ("kda", "mla", "attn_res", "moe_router", "moe_dispatch"):
+        assert f"/{stage}/" in text, stage
+    assert "moe_exchange" not in text
+    mesh = load_mesh("expert8")
+    with use_mesh(*mesh):     # inside the shard_map the scope starts the name
+        assert '"moe_exchange/all_to_all"' in scopes(TOY.with_runtime(moe_dispatch="ep"), mesh)
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,24 +178,24 @@ def test_kimi_linear_parameter_counts():
 def test_bad_inputs_raise_before_compiling(monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("compiled before validating")
-    monkeypatch.setattr(M, "_forward_jit", no_compile)
+    monkeypatch.setattr(transformer, "_forward_jit", no_compile)
     params = {}
-    with pytest.raises(M.InputError, match="outside the vocabulary"):
+    with pytest.raises(InputError, match="outside the vocabulary"):
         M.forward(TOY, params, np.array([[1, TOY.vocab_size]], np.int32))
-    with pytest.raises(M.InputError, match="outside the vocabulary"):
+    with pytest.raises(InputError, match="outside the vocabulary"):
         M.forward(TOY, params, np.array([[-1, 2]], np.int32))
-    with pytest.raises(M.InputError, match="max_position_embeddings"):
+    with pytest.raises(InputError, match="max_position_embeddings"):
         M.forward(TOY, params, np.zeros((1, TOY.max_position_embeddings + 1), np.int32))
-    with pytest.raises(M.InputError, match="integer"):
+    with pytest.raises(InputError, match="integer"):
         M.forward(TOY, params, np.zeros((1, 4), np.float32))
-    with pytest.raises(M.InputError, match="segment_ids"):
+    with pytest.raises(InputError, match="segment_ids"):
         M.forward(TOY, params, np.zeros((1, 4), np.int32), np.zeros((1, 5), np.int32))
 
 
 def test_init_params_matches_the_module_tree():
     """The per-kind initialiser builds exactly the tree K3Model.init would."""
     params = toy_params()
-    abstract = nn.unbox(M.abstract_params(TOY))
+    abstract = M.param_shapes(TOY)
     assert jax.tree.structure(params) == jax.tree.structure(abstract)
     for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
         assert p.shape == a.shape and p.dtype == a.dtype

@@ -13,13 +13,12 @@ LAYERS = ("kda", "mla")
 
 def write_tiny_model(d, seed=3):
     import jax
-    from flax import linen as nn
 
     from k3jax import model as M
     from k3jax.checkpoint.hf_params import from_tree_layout
     from k3jax.checkpoint.names import stored_shape, tensor_map
     from k3jax.checkpoint.safetensors_io import write_safetensors
-    from k3jax.train.variants import variant_dict
+    from k3jax.testing.variants import variant_dict
     hf = variant_dict(layers=LAYERS, attn_res_block_size=2)
     hf.pop("train")
     cfg = C.K3Config.from_hf(hf).text
@@ -28,7 +27,7 @@ def write_tiny_model(d, seed=3):
     params = jax.tree_util.tree_map_with_path(
         lambda p, s: np.ones(s.shape, np.float32) if p[-1].key in ("weight", "norm") else
         (rng.normal(size=s.shape) / np.sqrt(s.shape[-2] if len(s.shape) > 1 else 1)).astype(np.float32),
-        nn.unbox(M.abstract_params(cfg)))
+        M.param_shapes(cfg))
     out = {}
     for e in tensor_map(cfg, "k3", "mlp"):
         leaf = params

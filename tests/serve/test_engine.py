@@ -126,14 +126,13 @@ def test_lora_adapters_are_served_unmerged(gen, engine):
     # a LoRA run loads as the base params plus params['lora'] with cfg.runtime.lora set
     # (checkpoint.load); the engine runs them as they are, unmerged
     import jax
-    from flax import linen as nn
 
     from k3jax import lora
-    from k3jax.model import LORA_KEY, abstract_adapters, abstract_params
+    from k3jax.model import abstract_params, adapter_shapes, LORA_KEY
     cfg = gen.cfg.with_runtime(lora=lora.resolve({"rank": 4}, gen.cfg, abstract_params(gen.cfg)))
     rng = np.random.default_rng(5)
     adapters = jax.tree.map(lambda s: (0.5 * rng.normal(size=s.shape)).astype(s.dtype),
-                            nn.unbox(abstract_adapters(cfg)))
+                            adapter_shapes(cfg))
     params = {**gen.text_params, LORA_KEY: adapters}
     ps = prompts(19, 6, seed=6)
     # chunk 1: one step width, one compile of the adapted model

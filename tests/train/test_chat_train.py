@@ -152,7 +152,7 @@ def test_toy_chat_run_with_images_lowers_the_loss(tmp_path):
     """A one-layer toy trained on chat rows that each hold an image: every step carries two
     images of one grid (one compile), the vision tower trains along, the loss falls."""
     from k3jax.train import loop
-    from k3jax.train.variants import write_variant
+    from k3jax.testing.variants import write_variant
     colours = [(200, 0, 0), (0, 0, 200), (0, 160, 0)]
     rows = [convo(f"What colour is this? ({i})", f"It looks {n}.", n.capitalize() + ".", png_url(56, 56, c))
             for i, (n, c) in enumerate(zip(["red", "blue", "green"], colours))]
@@ -208,13 +208,12 @@ def test_shipped_toy_chat_config_is_the_toy_model():
 def tiny_checkpoint(tmp_path_factory):
     """A one-layer toy K3 with random weights, written as an HF safetensors directory."""
     import jax
-    from flax import linen as nn
 
     from k3jax import model as M
     from k3jax.checkpoint.hf_params import from_tree_layout
     from k3jax.checkpoint.names import stored_shape, tensor_map
     from k3jax.checkpoint.safetensors_io import write_safetensors
-    from k3jax.train.variants import variant_dict
+    from k3jax.testing.variants import variant_dict
     d = tmp_path_factory.mktemp("tiny_ckpt")
     hf = variant_dict(layers=("kda",))
     hf.pop("train")
@@ -222,7 +221,7 @@ def tiny_checkpoint(tmp_path_factory):
     rng = np.random.default_rng(3)     # numpy weights: nothing to compile
     params = jax.tree_util.tree_map_with_path(
         lambda p, s: np.ones(s.shape, np.float32) if p[-1].key in ("weight", "norm") else
-        (0.05 * rng.normal(size=s.shape)).astype(np.float32), nn.unbox(M.abstract_params(cfg)))
+        (0.05 * rng.normal(size=s.shape)).astype(np.float32), M.param_shapes(cfg))
     out = {}
     for e in tensor_map(cfg, "k3", "mlp"):
         leaf = params

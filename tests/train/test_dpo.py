@@ -103,7 +103,7 @@ def test_step_scores_completions_as_plain_forwards_do(tmp_path):
     from k3jax.config import K3Config
     from k3jax.model import init_params
     from k3jax.train import muon, step as tstep
-    from k3jax.train.variants import variant_dict
+    from k3jax.testing.variants import variant_dict
 
     d = variant_dict(layers=("kda", "mla"))
     d.pop("train", None)

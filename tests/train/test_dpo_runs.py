@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE, FIXTURES, LONG, need, train_subprocess
 

@@ -27,17 +27,16 @@ WORDS = ["ab", "xy", "cd", "ef"]            # one rendered length: one prefill s
 
 @pytest.fixture(scope="module")
 def tiny():
-    from k3jax.train.variants import variant_dict
+    from k3jax.testing.variants import variant_dict
     hf = variant_dict(layers=("kda", "mla"), attn_res_block_size=2)
     hf.pop("train")
     cfg = C.K3Config.from_hf(hf).text
     rng = np.random.default_rng(3)
-    from flax import linen as nn
     # peaked next-token distributions: greedy is far from ties
     params = jax.tree_util.tree_map_with_path(
         lambda p, s: np.ones(s.shape, np.float32) if p[-1].key in ("weight", "norm") else
         (rng.normal(size=s.shape) / np.sqrt(s.shape[-2] if len(s.shape) > 1 else 1)).astype(np.float32),
-        nn.unbox(M.abstract_params(cfg)))
+        M.param_shapes(cfg))
     return cfg, jax.tree.map(jax.numpy.asarray, params)
 
 

@@ -15,7 +15,7 @@ from k3jax.config import ConfigError, K3Config
 from k3jax.layout import layer_subpath
 from k3jax import lora
 from k3jax.train import config as tconf, muon, step as tstep
-from k3jax.train.variants import variant_dict
+from k3jax.testing.variants import variant_dict
 
 from helpers import rel_l2
 from reference import lora_merged_params
@@ -209,7 +209,7 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
     """MXFP4 stacks and per-expert / shared adapters through the sharded dispatches (their
     shard_map specs: experts over `expert`, the hidden over `tensor`) against `dense`, in
     value and in the gradients of the input and the adapters."""
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh, use_mesh
     from k3jax.layers.mlp import glu_activation
     from k3jax.ops import moe_dispatch as md
     from k3jax.ops.mxfp4 import MXFP4, quantize_mxfp4_jax
@@ -237,8 +237,8 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
         wide = lambda t: jax.tree.map(lambda x: jnp.asarray(np.asarray(x, np.float64)), t)  # noqa: E731
         (_, y0), g0 = grad(functools.partial(f, md.experts_dense))(wide(z), wide(ad))
         y0, g0 = np.asarray(y0), jax.tree.map(np.asarray, g0)
-    mesh, rules = sharding.load_mesh(preset)
-    with sharding.use_mesh(mesh, rules):
+    mesh, rules = load_mesh(preset)
+    with use_mesh(mesh, rules):
         (_, y), g = jax.jit(grad(functools.partial(f, md.DISPATCH[dispatch])))(z, ad)
     assert rel_l2(y, y0) <= 1e-5
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
@@ -249,7 +249,7 @@ def test_mxfp4_experts_with_adapters_under_a_mesh_equal_dense(preset, dispatch):
 def test_ep_exchange_in_chunks_equals_one_exchange():
     """A receive-buffer budget smaller than the dropless worst case runs each device's
     tokens through the exchange in chunks: same values and gradients as one exchange."""
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh, use_mesh
     from k3jax.layers.mlp import glu_activation
     from k3jax.ops import moe_dispatch as md
 
@@ -261,14 +261,14 @@ def test_ep_exchange_in_chunks_equals_one_exchange():
     w = jnp.asarray(r.random((N, k)), jnp.float32)
     ws = {n: jnp.asarray(r.normal(size=s), jnp.float32) for n, s in
           (("w1", (E, H, F)), ("w3", (E, H, F)), ("w2", (E, F, H)))}
-    mesh, rules = sharding.load_mesh("expert8")
+    mesh, rules = load_mesh("expert8")
     n_local = N // 8
     rows = md.ep_receive_rows(n_local * k, 8, 0.0)
 
     def run(budget_mib):
         c = cfg.with_runtime(ep_buffer_mib=budget_mib)
         f = lambda z, ws: jnp.sum(jnp.sin(md.experts_ep(c, functools.partial(glu_activation, c), z, idx, w, ws, {})))  # noqa: E731
-        with sharding.use_mesh(mesh, rules):
+        with use_mesh(mesh, rules):
             return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(z, ws)
 
     budget = rows * H * 4 / 2.5 / 2**20     # room for 2.5 chunks' receive rows

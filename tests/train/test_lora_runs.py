@@ -17,7 +17,7 @@ from k3jax.checkpoint.load import load_model_dir
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
 from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.model import forward
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE, FIXTURES, assert_logits_match, need, rel_l2
 from reference import peft_merge_magnitude, peft_merged_reference

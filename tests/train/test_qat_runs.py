@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from k3jax import cli
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE, FIXTURES, need, rel_l2
 

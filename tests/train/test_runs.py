@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from k3jax import cli
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE
 
@@ -59,7 +59,8 @@ def assert_trees_equal(a, b):
 
 @pytest.mark.slow
 def test_a_run_and_its_checkpoints_load_as_model_directories(run):
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh
+    from k3jax.model import param_shardings
     from k3jax.checkpoint.load import load_model_dir, resolve
     from k3jax.errors import K3JaxError
 
@@ -84,9 +85,9 @@ def test_a_run_and_its_checkpoints_load_as_model_directories(run):
                               np.asarray(params["embed_tokens"]["embedding"]))
 
     # restored straight onto a mesh: each leaf has the shardings the rules give it
-    mesh, rules = sharding.load_mesh("data2_fsdp2_expert2")
-    want = sharding.param_shardings(k3.text, mesh, rules)
-    _, sharded = load_model_dir(run.dir, shardings=lambda c: sharding.param_shardings(c, mesh, rules))
+    mesh, rules = load_mesh("data2_fsdp2_expert2")
+    want = param_shardings(k3.text, mesh, rules)
+    _, sharded = load_model_dir(run.dir, shardings=lambda c: param_shardings(c, mesh, rules))
     for x, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(want)):
         assert x.sharding.is_equivalent_to(s, x.ndim)
     assert_trees_equal(jax.tree.map(np.asarray, sharded), saved_params(run.dir, 4))

@@ -66,7 +66,7 @@ def test_hist_method_through_the_train_step():
     from k3jax.model import K3Model, init_params
     from k3jax.train import balancing, muon, step as tstep
     from k3jax.train import config as tconf
-    from k3jax.train.variants import variant_dict
+    from k3jax.testing.variants import variant_dict
 
     d = variant_dict(layers=("kda", "kda"))
     d.pop("train", None)

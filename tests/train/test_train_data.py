@@ -14,7 +14,7 @@ from k3jax.model import K3Model, init_params
 from k3jax.tokenizer import ByteTokenizer, TiktokenTokenizer
 from k3jax.train.data import PackedDataset, pack, read_documents, rows_to_batch
 from k3jax.train.step import cross_entropy
-from k3jax.train.variants import variant_dict
+from k3jax.testing.variants import variant_dict
 
 
 def test_pack_segments_and_mask():

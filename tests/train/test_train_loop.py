@@ -11,7 +11,7 @@ import time
 import pytest
 
 from k3jax.train.preemption import PREEMPTED
-from k3jax.train.variants import write_variant
+from k3jax.testing.variants import write_variant
 
 from helpers import FAST_COMPILE
 

@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
 
 from k3jax.config import load, load_k3
 from k3jax.layers.vision import vision_param_shapes
-from k3jax.model import abstract_params
+from k3jax.model import param_shapes
 from k3jax.train import config as tconf
 from k3jax.train.muon import build_optimizer, param_groups, path_str, trained_mask
 from k3jax.train.step import split_trained
@@ -134,7 +133,7 @@ def expected_group(cfg, path: str) -> str:
 @pytest.mark.parametrize("name", ["toy", "k3"])
 def test_every_param_in_its_group(name):
     cfg = load(name)
-    shapes = nn.unbox(abstract_params(cfg))
+    shapes = param_shapes(cfg)
     groups = param_groups(cfg, shapes)
     seen = set()
     for p, g in jax.tree_util.tree_leaves_with_path(groups):
@@ -255,12 +254,13 @@ def test_sharded_muon_update_equals_the_one_device_update(tmp_path):
     elsewhere) equals the same update on one device, to fp32 noise; the routed experts and
     the per-head views (heads over tensor) are dealt out. The toy cut to (KDA, MLA) twice,
     all MoE: every kind of view, scanned, at a third of the toy's compile."""
-    from k3jax import sharding
+    from k3jax.mesh import load_mesh, use_mesh
+    from k3jax.model import param_shardings
     from k3jax.model import init_params
     from k3jax.train import muon, muon_dist
-    from k3jax.train.variants import write_variant
+    from k3jax.testing.variants import write_variant
     cfg = load(write_variant(str(tmp_path / "four.yaml"), layers=("kda", "mla") * 2, first_k_dense_replace=0))
-    mesh, rules = sharding.load_mesh("fsdp2_expert2_tensor2")
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2")
     o = tconf.resolve({}, {"optimizer": {"lr": 1.0, "warmup_steps": 0, "schedule": "constant",
                                          "weight_decay": 0.0, "grad_clip": 0.0}})["optimizer"]
     host = jax.tree.map(np.asarray, init_params(cfg, jax.random.PRNGKey(0)))
@@ -272,8 +272,8 @@ def test_sharded_muon_update_equals_the_one_device_update(tmp_path):
         g, _ = split_trained(grads, trained_mask(groups))
         return jax.jit(lambda p, g: tx.update(g, tx.init(p), p)[0])(p, g), groups
 
-    shardings = sharding.param_shardings(cfg, mesh, rules)
-    with sharding.use_mesh(mesh, rules):
+    shardings = param_shardings(cfg, mesh, rules)
+    with use_mesh(mesh, rules):
         placed = jax.tree.map(jax.device_put, host, shardings)
         got, groups = first(placed, jax.tree.map(jax.device_put, grads, shardings))
     want, _ = first(jax.tree.map(jnp.asarray, host), jax.tree.map(jnp.asarray, grads))

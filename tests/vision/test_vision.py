@@ -16,7 +16,7 @@ import pytest
 from helpers import FIXTURES, REFERENCE_CONFIG, need, rel_l2
 from k3jax.config import K3Config, VisionConfig
 from k3jax.layers import vision as V
-from k3jax.vision import merge_image_features
+from k3jax.model.multimodal import merge_image_features
 from k3jax.vision import preprocess as P
 from k3jax.checkpoint.vision_names import (VisionCheckpointError, load_vision_params, vision_params_to_hf,
                                        vision_tensor_map)

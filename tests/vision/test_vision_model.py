@@ -17,6 +17,7 @@ from flax import linen as nn
 from helpers import rel_l2
 from k3jax import cli
 from k3jax import model as M
+from k3jax.errors import InputError
 from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.hf_params import from_tree_layout
 from k3jax.checkpoint.load import load_model_dir
@@ -27,8 +28,9 @@ from k3jax.layers.vision import vision_features, vision_param_shapes
 from k3jax.train import config as tconf
 from k3jax.train import muon
 from k3jax.train import step as tstep
-from k3jax.train.variants import variant_dict
-from k3jax.vision import multimodal as MM
+from k3jax.testing.variants import variant_dict
+from k3jax.model import multimodal as MM
+from k3jax.vision import inputs as MM_in
 from k3jax.vision.preprocess import preprocess_images
 from k3jax.checkpoint.vision_names import vision_params_to_hf
 
@@ -83,7 +85,7 @@ def tiny(tmp_path_factory):
     hf.pop("train")
     k3 = K3Config.from_hf(hf)
     rng = np.random.default_rng(0)
-    text = _random_tree(nn.unbox(M.abstract_params(k3.text)), rng)
+    text = _random_tree(M.param_shapes(k3.text), rng)
     vision = _random_tree(vision_param_shapes(k3.vision), rng)
     src = d / "hf"
     src.mkdir()
@@ -91,7 +93,7 @@ def tiny(tmp_path_factory):
                                                    **vision_params_to_hf(k3.vision, vision)})
     (src / "config.json").write_text(json.dumps(hf))
     k3, params = load_model_dir(src, RUNTIME, vision=True)
-    pad = MM.media_pad_id(k3)
+    pad = MM_in.media_pad_id(k3)
     # images as files (for the commands) and as the packed pixels they preprocess to
     from PIL import Image
     files = []
@@ -104,7 +106,7 @@ def tiny(tmp_path_factory):
     short = rng.integers(0, 256, (2, T - 3), dtype=np.int32)
     short[:, 0] = k3.text.bos_token_id
     short[0, 2], short[1, 9] = pad, pad
-    tokens = MM.expand_tokens(short, [4, 4], pad)
+    tokens = MM_in.expand_tokens(short, [4, 4], pad)
     assert tokens.shape == (2, T)
     return {"dir": d, "src": src, "k3": k3, "params": params, "pad": pad, "files": files, "pixels": pixels,
             "short": short, "tokens": tokens}
@@ -153,18 +155,18 @@ def test_bad_image_inputs_are_clear_errors(tiny):
     k3, params, tokens = t["k3"], t["params"], t["tokens"]
     fewer = tokens.copy()
     fewer[0, np.flatnonzero(tokens[0] == t["pad"])[0]] = 7
-    with pytest.raises(M.InputError, match=r"7 <\|media_pad\|>.* 8 feature"):
+    with pytest.raises(InputError, match=r"7 <\|media_pad\|>.* 8 feature"):
         MM.forward_with_images(k3.text, k3.vision, params, fewer, t["pixels"], GRIDS, pad_id=t["pad"])
     extra = t["short"].copy()
     extra[0, 5] = t["pad"]
-    with pytest.raises(M.InputError, match=r"3 <\|media_pad\|>.* 2 image"):
-        MM.expand_tokens(extra, [4, 4], t["pad"])
-    with pytest.raises(M.InputError, match="no vision tower"):
+    with pytest.raises(InputError, match=r"3 <\|media_pad\|>.* 2 image"):
+        MM_in.expand_tokens(extra, [4, 4], t["pad"])
+    with pytest.raises(InputError, match="no vision tower"):
         MM.forward_with_images(k3.text, None, params, tokens, t["pixels"], GRIDS, pad_id=t["pad"])
     text, _ = MM.split_params(params)
-    with pytest.raises(M.InputError, match="no vision tower"):
+    with pytest.raises(InputError, match="no vision tower"):
         MM.forward_with_images(k3.text, k3.vision, text, tokens, t["pixels"], GRIDS, pad_id=t["pad"])
-    with pytest.raises(M.InputError, match="need sum"):
+    with pytest.raises(InputError, match="need sum"):
         MM.forward_with_images(k3.text, k3.vision, params, tokens, t["pixels"][:-1], GRIDS, pad_id=t["pad"])
     _, text_only = load_model_dir(t["src"], RUNTIME)
     assert MM.VISION_KEY not in text_only
@@ -204,7 +206,7 @@ def test_generate_command_with_images_on_a_mesh_matches_the_full_forward(tiny, t
     gen = np.array(json.loads(out.read_text())["generated_ids"])
     assert gen.shape == (2, 3)
     # greedy, teacher-forced: each id is the argmax of the uncached forward at its position
-    full = np.concatenate([MM.expand_tokens(prompt, [4, 4], t["pad"]), gen[:, :2]], axis=1)
+    full = np.concatenate([MM_in.expand_tokens(prompt, [4, 4], t["pad"]), gen[:, :2]], axis=1)
     logits = _forward(t, full.astype(np.int32))
     np.testing.assert_array_equal(logits[:, T - 3:].argmax(-1), gen)
 
@@ -212,7 +214,7 @@ def test_generate_command_with_images_on_a_mesh_matches_the_full_forward(tiny, t
 @pytest.mark.slow
 def test_chunked_prefill_hands_each_piece_its_image_rows(tiny):
     from k3jax.infer.generate import prefill
-    from k3jax.vision.merge import feature_rows
+    from k3jax.model.multimodal import feature_rows
     t = tiny
     k3, tokens = t["k3"], t["tokens"]
     text, _ = MM.split_params(t["params"])
@@ -246,7 +248,7 @@ def test_train_step_with_images(tiny):
     hf.pop("train")
     k3 = K3Config.from_hf(hf)
     cfg = k3.text.with_runtime(**RUNTIME)
-    text = _random_tree(nn.unbox(M.abstract_params(cfg)), np.random.default_rng(1))
+    text = _random_tree(M.param_shapes(cfg), np.random.default_rng(1))
     params = {**text, "vision": jax.tree.map(np.array, t["params"]["vision"])}
     # plain SGD at lr 1 (old - new = gradient), the projector frozen, the tower trained
     groups = muon.param_groups(cfg, params, freeze=("vision/mm_projector/*",))
@@ -260,7 +262,7 @@ def test_train_step_with_images(tiny):
              "segment_ids": np.ones_like(tokens)[None],
              "images": {"pixels": t["pixels"][None], "grid_thws": GRIDS}}
     fewer = {**batch, "tokens": np.where(tokens == t["pad"], 7, tokens)[None]}
-    with pytest.raises(M.InputError, match=r"microbatch 0: 0 <\|media_pad\|>"):
+    with pytest.raises(InputError, match=r"microbatch 0: 0 <\|media_pad\|>"):
         step(tstep.init_state(params, tx, groups), fewer)
 
     new, metrics = step(tstep.init_state(params, tx, groups), batch)

@@ -14,11 +14,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
 
-from k3jax.config import ModelConfig, RuntimeOptions
-from k3jax.errors import InputError
+from k3jax.config import ModelConfig
+from k3jax.errors import InputError, check_token_ids
 from k3jax.layers.attn_res import AttnRes, defer_block, flush_block, push_block
 from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
@@ -26,7 +25,7 @@ from k3jax.layers.mla import GatedMLA
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
-from k3jax.layout import GROUPS, LayerPlan, layer_plan, slot_name, slot_pushes, unrolled_name  # noqa: F401
+from k3jax.layout import GROUPS, layer_plan, slot_name, slot_pushes, unrolled_name
 from k3jax.ops.splice import splice_rows
 
 
@@ -159,7 +158,7 @@ class K3Model(nn.Module):
     n_new [B] the real tokens of this call per row (the rest is right padding). Returns
     (logits [B, V] at each row's last real token, per-layer updates named likewise).
 
-    `image_features` [N, D] with `feature_rows` [B, T] int32 (k3jax.vision.multimodal):
+    `image_features` [N, D] with `feature_rows` [B, T] int32 (k3jax.model.multimodal):
     position (b, t) takes feature row `feature_rows[b, t]` instead of its token embedding
     where that is >= 0. The vision tower runs outside, so its params and the text params
     stay separate trees and a chunked prefill can hand each piece the rows it covers.
@@ -245,11 +244,7 @@ def validate_inputs(cfg: ModelConfig, tokens, segment_ids=None):
     if segment_ids is not None and tuple(segment_ids.shape) != tuple(shape):
         raise InputError(f"segment_ids shape {tuple(segment_ids.shape)} != tokens shape {tuple(shape)}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-        t = np.asarray(tokens)
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= cfg.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InputError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+        check_token_ids(tokens, cfg.vocab_size, "tokens")
 
 
 # The params outside the decoder layers, each declared once: K3Model builds them here, and
@@ -273,8 +268,9 @@ def _lm_head(cfg: ModelConfig):
     return dense(cfg, cfg.vocab_size, ("embed", "vocab"), "lm_head")
 
 
-class _TopLevel(nn.Module):
-    """The params outside the decoder layers (K3Model's own declarations), for `init_params`."""
+class TopLevel(nn.Module):
+    """The params outside the decoder layers (K3Model's own declarations): `init_params`
+    initialises them apart from the layers."""
     cfg: ModelConfig
 
     @nn.compact
@@ -286,136 +282,6 @@ class _TopLevel(nn.Module):
         h = _final_norm(cfg)(h)
         if not cfg.tie_word_embeddings:
             _lm_head(cfg)(h)
-
-
-def _init_seed(rng, i: int):
-    """uint32[4] seed material for part i, derived from the caller's key (any impl)."""
-    key = jax.random.fold_in(rng, i)
-    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-    data = data.reshape(-1).astype(jnp.uint32)
-    return jnp.concatenate([data, data ^ jnp.uint32(0x9E3779B9)])[:4]
-
-
-def _init_key(seed):
-    # Init draws dozens of independent streams per layer; threefry's hash costs ~3x the
-    # XLA CPU compile time of the RngBitGenerator behind 'unsafe_rbg', and init needs no
-    # more than well-spread, reproducible values.
-    return jax.random.wrap_key_data(seed, impl="unsafe_rbg")
-
-
-# fold_in constant of the adapters' random stream: apart from every base stream
-_LORA_STREAM = 0x4C6F5241
-
-
-def init_params(cfg: ModelConfig, rng, length: int = 1):
-    """Random params (a plain pytree, logical-axis boxes removed), shaped like `K3Model`'s,
-    with the LoRA adapters under LORA_KEY when `cfg.runtime.lora` is set.
-
-    Layers are initialised per kind — every (attention, ffn) kind once, vmapped over all
-    layers of that kind — instead of through one `K3Model.init`: random-number code is
-    costly to compile on CPU, and this compiles it once per kind instead of once per
-    unrolled layer. Layer i draws from a key derived from fold_in(rng, i), so values do
-    not depend on the scan plan; adapters draw from their own stream, so the base is the
-    same with or without them.
-    """
-    plan = layer_plan(cfg)
-    D = cfg.hidden_size
-    h = jnp.zeros((1, length, D), compute_dtype(cfg))
-    res = Residual(h, jnp.zeros((cfg.max_attn_res_blocks, 1, length, D), h.dtype), jnp.zeros((), jnp.int32))
-
-    layers: dict[int, dict] = {}
-    adapters: dict[int, dict] = {}
-    by_kind: dict[tuple[str, str], list[int]] = {}
-    for i, kind in enumerate(zip(cfg.layer_kinds, cfg.ffn_kinds)):
-        by_kind.setdefault(kind, []).append(i)
-    lora_rng = jax.random.fold_in(rng, _LORA_STREAM)
-
-    def init_layer(layer, s, ls):
-        v = nn.unbox(layer.init({"params": _init_key(s), LORA_KEY: _init_key(ls)}, res, None, 0))
-        return v["params"], v.get(LORA_KEY, {})
-
-    # Init traces each layer's forward under vmap (dead code XLA drops); the MoE's dense
-    # dispatch keeps that trace free of shard_map and Pallas, whose batching rules need
-    # not hold there. The dispatch is a runtime choice: the params are the same.
-    init_cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg
-    for (attn_kind, ffn_kind), idx in by_kind.items():
-        layer = DecoderLayer(init_cfg, attn_kind, ffn_kind)
-        seeds = jnp.stack([_init_seed(rng, i) for i in idx])
-        lora_seeds = jnp.stack([_init_seed(lora_rng, i) for i in idx])
-        stacked, stacked_lora = jax.jit(jax.vmap(functools.partial(init_layer, layer)))(seeds, lora_seeds)
-        for n, i in enumerate(idx):
-            layers[i] = jax.tree.map(lambda x: x[n], stacked)
-            adapters[i] = jax.tree.map(lambda x: x[n], stacked_lora)
-
-    top_seed = _init_seed(rng, cfg.num_hidden_layers)
-    params = jax.jit(lambda s: nn.unbox(_TopLevel(cfg).init(_init_key(s), h)["params"]))(top_seed)
-    params = _assemble(plan, dict(params), layers)
-    if cfg.runtime.lora is not None:
-        params[LORA_KEY] = _assemble(plan, {}, adapters)
-    return params
-
-
-def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
-    """Per-layer trees into the model's layout: `layers_{i}` unrolled, `groups/sub_{j}`
-    stacked over the scanned groups (subtrees left empty by a layer are omitted)."""
-    for i in plan.head + plan.tail:
-        if layers[i]:
-            tree[unrolled_name(i)] = layers[i]
-    if plan.n_groups:
-        groups = {}
-        for j in range(plan.group_size):
-            members = [layers[plan.group_start + g * plan.group_size + j] for g in range(plan.n_groups)]
-            if members[0]:
-                groups[slot_name(j)] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
-        if groups:
-            tree[GROUPS] = groups
-    return tree
-
-
-# runtime options that shape how the model runs, never its params: one trace serves them all
-# (the planner varies the exchange buffer and remat when it looks for a setting that fits)
-_NOT_SHAPING = ("kda_impl", "kda_chunk_size", "ep_exchange", "ep_capacity_factor", "ep_first_round", "ep_buffer_mib",
-                "attention_q_block", "remat", "qat")
-
-
-def _abstract_variables(cfg: ModelConfig):
-    # a fresh tree each call (callers may edit theirs) over one trace per config: ~5 s for K3
-    default = RuntimeOptions()
-    cfg = cfg.with_runtime(**{k: getattr(default, k) for k in _NOT_SHAPING})
-    return jax.tree.map(lambda x: x, _traced_variables(cfg))
-
-
-@functools.lru_cache(maxsize=16)
-def _traced_variables(cfg: ModelConfig):
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
-
-    def init(t):
-        # the key made inside the trace: nothing runs eagerly, so a context mesh over devices
-        # that cannot execute (a TPU topology compiled for on a CPU host) is never asked to
-        key = jax.random.PRNGKey(0)
-        return K3Model(cfg).init({"params": key, LORA_KEY: key}, t)
-    return jax.eval_shape(init, tokens)
-
-
-def abstract_params(cfg: ModelConfig):
-    """The base param shapes and dtypes (logical-axis boxes kept) via `jax.eval_shape`:
-    nothing is allocated. Adapters are `abstract_adapters`."""
-    return _abstract_variables(cfg)["params"]
-
-
-def abstract_variables(cfg: ModelConfig):
-    """`abstract_params`, with the adapters under LORA_KEY when `cfg.runtime.lora` is set:
-    the tree `init_params` returns, as boxed shapes."""
-    boxed = abstract_params(cfg)
-    return {**boxed, LORA_KEY: abstract_adapters(cfg)} if cfg.runtime.lora is not None else boxed
-
-
-def abstract_adapters(cfg: ModelConfig):
-    """The LoRA adapters' shapes and logical axes ({} without `cfg.runtime.lora`)."""
-    if cfg.runtime.lora is None:
-        return {}
-    return _abstract_variables(cfg).get(LORA_KEY, {})
 
 
 def forward(cfg: ModelConfig, params, tokens, segment_ids=None):
