@@ -9,7 +9,7 @@ Prints, per shape, forward and forward+backward times and each one's ratio to ra
 On CPU XLA lowers ragged_dot to every row times every expert's weight (E× the FLOPs), the
 row tiles run each group's rows, and interpret mode runs each grid step as XLA ops (its
 times say the kernels' visit structure is sane, not what a TPU or GPU would do: those are
-benchmarks/gmm_tpu_compile.py's compile checks). On TPU/GPU "auto" is the kernels.
+benchmarks/compile/gmm_tpu_compile.py's compile checks). On TPU/GPU "auto" is the kernels.
 """
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def chunk_terms_bwd(q, k, v, g, beta, same, sees_in, reaches_out,
     Two kernels, each over every chunk: the solve side, then the scores' decayed products,
     which pass dS^k [Z, Tp, C] and add to dq, dk, dg in place. As one kernel Triton
     needed 400 KiB of shared memory at K = 128, C = 64 (sm_90, Triton 3.9), more than any
-    GPU has (H100/H200: 227 KiB); split, 96 KiB and 128 KiB (benchmarks/kda_triton_compile.py).
+    GPU has (H100/H200: 227 KiB); split, 96 KiB and 128 KiB (benchmarks/compile/kda_triton_compile.py).
     """
     Z, Tp, K = q.shape
     V, C, H = v.shape[-1], chunk_size, heads

@@ -93,7 +93,7 @@ def _triton_tiles(M, N, Kh, cdt, tm=None):
     x and of W (the [64, 64] fp32 accumulator keeps sm_90 free of register spills; 128
     weight rows spilled), 64 packed columns per contraction chunk; x @ W: 64 packed output
     columns (32 in fp32, whose TF32x3 dots need more registers), 64 weight rows a chunk.
-    Measured by benchmarks/mxfp4_gmm_triton_compile.py."""
+    Measured by benchmarks/compile/mxfp4_gmm_triton_compile.py."""
     tm = tm or pow2(M, 16, 64)
     wide = 64 if cdt == jnp.bfloat16 else 32
     return dict(tm=tm, tn=pow2(N, 16, 64), tkh_nt=pow2(Kh, 16, 64), tkh_nn=pow2(Kh, 16, wide),

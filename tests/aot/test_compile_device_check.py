@@ -1,9 +1,9 @@
-"""benchmarks/device_check.py --dry-run: the one-command device check runs on this CPU
+"""benchmarks/compile/device_check.py --dry-run: the one-command device check runs on this CPU
 (Pallas in interpret mode, small shapes) and every check it makes passes, so the run on a
 lent device is known to work. The test runs the grouped-matmul and KDA forward sections
 (5 s each); the others
 (interpret-mode KDA backward, MXFP4 grouped matmul, toy train and decode) take about three
-minutes of this CPU: `python benchmarks/device_check.py --dry-run` runs them all."""
+minutes of this CPU: `python benchmarks/compile/device_check.py --dry-run` runs them all."""
 import pytest
 import importlib.util
 import json
@@ -12,8 +12,10 @@ from tests.helpers import ROOT
 
 
 @pytest.mark.slow
-def test_device_check_dry_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "benchmarks" / "device_check.py")
+def test_device_check_dry_run(tmp_path, monkeypatch):
+    scripts = ROOT / "benchmarks" / "compile"
+    monkeypatch.syspath_prepend(str(scripts))     # its helper, common.py, as when run as a script
+    spec = importlib.util.spec_from_file_location("device_check", scripts / "device_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     kernels = ["gmm", "kda_forward"]

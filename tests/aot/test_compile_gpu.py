@@ -1,5 +1,5 @@
 """The CLI's sharded train step lowered for CUDA on this CPU machine (`jax.export`) at the
-b300x8 presets' device count (this session's 8 devices); benchmarks/aot_gpu_lower.py lowers
+b300x8 presets' device count (this session's 8 devices); benchmarks/compile/aot_gpu_lower.py lowers
 train, prefill and decode for the larger presets (h200x64, b300x16) at theirs."""
 import jax
 import pytest
@@ -22,7 +22,7 @@ def _check(exported, prog, args):
 
 def _small_k3():
     """The toy's widths at two layers, KDA and MLA, both MoE: every kind a step lowers, at
-    the least compile time (the scanned form is lowered by benchmarks/aot_gpu_lower.py)."""
+    the least compile time (the scanned form is lowered by benchmarks/compile/aot_gpu_lower.py)."""
     import dataclasses
     k3 = load_k3("toy")
     kinds = ("kda", "mla")
@@ -36,7 +36,7 @@ def _small_k3():
 def test_sharded_train_step_lowers_for_cuda_on_b300x8():
     """`k3jax train --mesh b300x8`'s step (its train preset, b300x8_train) for CUDA. The
     serving steps' lowering (they need a CPU compile of the prefill for their caches'
-    shardings) is in benchmarks/aot_gpu_lower.py, with the larger presets."""
+    shardings) is in benchmarks/compile/aot_gpu_lower.py, with the larger presets."""
     k3 = _small_k3()
     devices = jax.devices()[:8]
     with gpu.target("gpu"):

@@ -2,8 +2,8 @@
 its pure-JAX path at K3's shapes, timed beside the XLA `chunk` path, plus a few toy train
 and decode steps, all checked against references; results as JSON.
 
-    python benchmarks/device_check.py [--out DIR] [--T 8192] [--H 96] [--budget-s 420]
-    python benchmarks/device_check.py --dry-run        # this CPU: interpret mode, small shapes
+    python benchmarks/compile/device_check.py [--out DIR] [--T 8192] [--H 96] [--budget-s 420]
+    python benchmarks/compile/device_check.py --dry-run        # this CPU: interpret mode, small shapes
 
 Sections (each reported, a failure never stops the rest; a section that would start past
 --budget-s is reported as skipped, so one H200 run stays under 8 minutes):
@@ -41,16 +41,17 @@ import sys
 import time
 import traceback
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+common.repo_on_path()
 from k3jax.ops.kda import kda  # noqa: E402
 
 ANCHORS_MS = {"fla chunk_kda fwd, H20": 4.84, "FlashKDA fwd, H20": 2.62, "goal fwd, H200": 3.3}
 TOL = 1e-4    # DESIGN.md: chunk / pallas vs recurrent in fp32, relative RMS
-K3_GATE_LOWER_BOUND = -5.0
+K3_GATE_LOWER_BOUND = common.k3().gate_lower_bound
 
 
 def rel_rms(a, b) -> float:
@@ -324,7 +325,8 @@ def main(argv=None) -> int:
     ap.add_argument("--toy-layers", dest="toy_layers_arg", type=int, default=None,
                     help="toy sections: the toy's first N layers (default: all 13; the dry run's 4, every layer kind)")
     a = ap.parse_args(argv)
-    a.gmm_experts, a.gmm_n, a.gmm_k, a.gmm_rows = 56, 3072, 3584, 4096   # a device's share of K3's experts
+    a.gmm_k, a.gmm_n = common.expert_weights()["w1/w3"]
+    a.gmm_experts, a.gmm_rows = 56, 4096    # a device's share of K3's experts
     a.gmm_check, a.gmm_speed_rows = (13, 1000, 200, 136), 16384
     a.train_steps = 3
     a.toy_seq, a.decode_steps, a.toy_layers = 128, 8, None

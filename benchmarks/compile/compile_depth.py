@@ -4,20 +4,21 @@ Both models have K3's layer pattern (dense layer 0, [KDA, KDA, KDA, MLA] groups,
 MLA) so only the number of scanned groups differs: 22 vs 2. Compile times are measured
 side by side in one process, alternating, and the median ratio is printed.
 
-    python benchmarks/compile_depth.py [--repeats 3]
+    python benchmarks/compile/compile_depth.py [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
+import common
 import jax
 import jax.numpy as jnp
 
-from k3jax import config as C
-from k3jax.layout import layer_plan
-from k3jax.model import K3Model
+common.repo_on_path()
+from k3jax import config as C  # noqa: E402
+from k3jax.layout import layer_plan  # noqa: E402
+from k3jax.model import K3Model  # noqa: E402
 
 
 def k3_pattern(layers: int) -> C.ModelConfig:
@@ -30,10 +31,8 @@ def k3_pattern(layers: int) -> C.ModelConfig:
 
 def compile_seconds(cfg: C.ModelConfig, seq: int) -> float:
     params = jax.eval_shape(lambda: K3Model(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32)))
-    fn = jax.jit(lambda p, t: K3Model(cfg).apply(p, t))
-    t0 = time.perf_counter()
-    fn.lower(params, jax.ShapeDtypeStruct((1, seq), jnp.int32)).compile()
-    return time.perf_counter() - t0
+    return common.timed_compile(lambda p, t: K3Model(cfg).apply(p, t), params,
+                                jax.ShapeDtypeStruct((1, seq), jnp.int32))[1]
 
 
 def main():

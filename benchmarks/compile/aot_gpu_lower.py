@@ -2,8 +2,8 @@
 presets' own device counts, on this CPU machine: a sharding that cannot be partitioned or
 lowered for GPUs fails here, before a cluster is booked. Prints one line per program.
 
-    python benchmarks/aot_gpu_lower.py [--config toy] [--presets h200x64 b300x16]
-                                       [--modes train prefill decode] [--batch N] [--seq 64]
+    python benchmarks/compile/aot_gpu_lower.py [--config toy] [--presets h200x64 b300x16]
+                                               [--modes train prefill decode] [--batch N] [--seq 64]
 
 Each preset runs in its own subprocess with as many fake CPU devices as the preset has GPUs
 (XLA_FLAGS=--xla_force_host_platform_device_count=N). tests/aot/test_compile_gpu.py lowers the
@@ -19,11 +19,10 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common
 
 CHILD = r"""
 import json, sys, time, jax
-from k3jax import sharding
 from k3jax.aot import gpu, programs
 from k3jax.config import load_k3
 from k3jax.plan import PlanOptions
@@ -55,13 +54,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="global sequences (default: the preset's device count)")
     ap.add_argument("--seq", type=int, default=32)
     a = ap.parse_args()
-    sys.path.insert(0, ROOT)
-    from k3jax.sharding import load_preset
+    root = common.repo_on_path()
+    from k3jax.mesh import load_preset
     failed = []
     for name in a.presets:
         devices = math.prod(load_preset(name).shape(None).values())
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                   PYTHONPATH=ROOT)
+                   PYTHONPATH=root)
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", CHILD, a.config, name, ",".join(a.modes), str(a.batch or devices),
                             str(a.seq)], capture_output=True, text=True, env=env)
