@@ -66,7 +66,9 @@ def test_planner_state_bytes_equal_a_lora_over_mxfp4_runs_arrays():
     """params + grads + optimizer per device as `k3jax plan` counts them, against the arrays
     a toy LoRA-over-MXFP4 train state really holds on a device of the mesh (gradients: the
     fp32 trained leaves the step differentiates, laid out like their params)."""
-    from k3jax import lora, sharding
+    from k3jax import lora
+    from k3jax.mesh import load_mesh, load_preset, use_mesh
+    from k3jax.model import init_params_sharded
     from k3jax.config import load
     from k3jax.model import abstract_params
     from k3jax.plan import PlanOptions, state_bytes
@@ -76,10 +78,10 @@ def test_planner_state_bytes_equal_a_lora_over_mxfp4_runs_arrays():
     preset = "fsdp2_expert2_tensor2"
     cfg = load("toy").with_runtime(param_dtype="bfloat16", expert_format="mxfp4")
     cfg = cfg.with_runtime(lora=lora.resolve({"rank": 8}, cfg, abstract_params(cfg)))
-    mesh = sharding.load_mesh(preset)
+    mesh = load_mesh(preset)
     tc = tconf.resolve({"lora": {"rank": 8}})
-    with sharding.use_mesh(*mesh):
-        params = sharding.init_params_sharded(cfg, jax.random.PRNGKey(0), *mesh)
+    with use_mesh(*mesh):
+        params = init_params_sharded(cfg, jax.random.PRNGKey(0), *mesh)
         tx, groups = muon.build_optimizer(cfg, params, tc["optimizer"], 10, tc["lora"])
         state, _ = _sharded_state_and_step(mesh, params, tx, groups, lambda s, b: (s, {}), None)
     dev = jax.devices()[0]
@@ -90,7 +92,7 @@ def test_planner_state_bytes_equal_a_lora_over_mxfp4_runs_arrays():
     trained, _ = tstep.split_trained(state.params, muon.trained_mask(groups))
     grads = sum(s.data.size * 4 for x in jax.tree.leaves(trained) for s in x.addressable_shards if s.device == dev)
     real = on_device(state.params) + grads + on_device(state.opt_state)
-    planned = state_bytes(load("toy"), sharding.load_preset(preset),
+    planned = state_bytes(load("toy"), load_preset(preset),
                           PlanOptions(param_dtype="bfloat16", expert_format="mxfp4", lora_rank=8))
     total = planned["params"] + planned["grads"] + planned["optimizer"]
     assert abs(total - real) <= 0.05 * real, (planned, real)

@@ -76,7 +76,8 @@ def test_lora_starts_as_the_base_and_keeps_the_base_stream():
     # op by op: each base-stream op runs the same kernel on the same inputs in both models and
     # the adapters add exact zeros, so the outputs are bitwise equal. (Compiled whole, XLA may
     # fuse a base matmul with its zero adapter term and tile it differently: an ulp apart.)
-    fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
+    # One short row: op by op, the recurrent KDA's Python loop runs once per token.
+    fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS[:1, :8])  # noqa: E731
     with jax.disable_jit():
         np.testing.assert_array_equal(fwd(cfgl, adapted), fwd(cfg, base))
 
@@ -92,14 +93,14 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weights():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
     fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
-    g_lora = jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad})))(params[M.LORA_KEY])
+    g_lora = jax.jit(jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad}))))(params[M.LORA_KEY])
     # dW at the adapted forward itself: the gradient of the base weight the adapters add to
     # (W + s·B·A enters every product as W does). The merged model's own dW equals it up to
     # fp32 rounding of a second forward (test_adapted_model_equals_merged_weights holds the
     # forwards equal); differencing two forwards through 13 layers measured 1.2e-4 on an AVX2
     # machine, rounding, not the chain rule
     base = {k: v for k, v in params.items() if k != M.LORA_KEY}
-    g_w = jax.grad(lambda p: loss(fwd(cfg, {**p, M.LORA_KEY: params[M.LORA_KEY]})))(base)
+    g_w = jax.jit(jax.grad(lambda p: loss(fwd(cfg, {**p, M.LORA_KEY: params[M.LORA_KEY]}))))(base)
     checked = 0
     for path, ga in jax.tree_util.tree_leaves_with_path(g_lora):
         keys = [k.key for k in path]

@@ -51,11 +51,11 @@ def _lost(report: str) -> float:
     return float(report.split("update lost to the storage format: ")[1].split("%")[0]) / 100
 
 
-@pytest.mark.slow
-def test_qat_lora_over_mxfp4_experts_exports_the_runs_logits(env, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def fixture_b_lora(env):
     """LoRA on attention and every routed expert over fixture B's MXFP4 experts (held as
-    MXFP4: the forward re-quantizes each merged block), merged into the release layout."""
-    d, e = env
+    MXFP4: with qat the forward re-quantizes each merged block): (config, tokens)."""
+    d, _ = env
     b = need(FIXTURES / "fixture_b")
     train = {"steps": 2, "log_every": 1, "ckpt_every": 2, "sample_tokens": 0, "peak_tflops": 1.0,
              "init_from": str(b), "data": {"path": CORPUS, "seq_len": 32, "batch_size": 2},
@@ -63,17 +63,30 @@ def test_qat_lora_over_mxfp4_experts_exports_the_runs_logits(env, tmp_path, caps
              "runtime": {"expert_format": "mxfp4"},
              "lora": {"rank": 4, "alpha": 8.0, "expert_rank": 2, "lr": 0.05,
                       "targets": ["*/self_attn/*_proj", "*/block_sparse_moe/w[123]"]}}
-    cfg = write_variant(str(d / "b.yaml"), base=str(b / "config.json"), train=train)
-    tokens = np.load(b / "inputs.npy")[:, :40]
+    return write_variant(str(d / "b.yaml"), base=str(b / "config.json"), train=train), np.load(b / "inputs.npy")[:, :40]
+
+
+# The QAT run and the plain run are two tests (xdist runs them side by side); the plain one's
+# bar (10x the QAT export's error) is the ceiling the QAT test holds, 1e-4.
+@pytest.mark.slow
+def test_qat_lora_over_mxfp4_experts_exports_the_runs_logits(env, fixture_b_lora, tmp_path, capsys):
+    """Merged into the release layout, the QAT run's export is the run, and nothing was lost."""
+    d, e = env
+    cfg, tokens = fixture_b_lora
     run = _train(cfg, d, "b_qat", e, "qat=true")
     err, report = _export_and_compare(run, tmp_path, tokens, capsys, "--merge-lora")
     assert err <= 1e-4, err
     assert _lost(report) == 0.0 and "warning" not in report, report
-    # the same run without QAT: its export is measurably not the run, and the export says so
+
+
+@pytest.mark.slow
+def test_lora_without_qat_exports_measurably_not_the_run_and_says_so(env, fixture_b_lora, tmp_path, capsys):
+    """The same run without QAT: its merged export is not the run, and the export says so."""
+    d, e = env
+    cfg, tokens = fixture_b_lora
     plain = _train(cfg, d, "b_plain", e)
-    (tmp_path / "plain").mkdir()
-    err_plain, report = _export_and_compare(plain, tmp_path / "plain", tokens, capsys, "--merge-lora")
-    assert err_plain > 10 * max(err, 1e-6), (err_plain, err)
+    err_plain, report = _export_and_compare(plain, tmp_path, tokens, capsys, "--merge-lora")
+    assert err_plain > 10 * 1e-4, err_plain
     assert _lost(report) > 0.05 and "qat: true" in report, report
 
 
