@@ -103,10 +103,10 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     from k3jax.train import muon
     sizes = preset.shape(opt.devices)
     run = run_config(cfg, opt)
-    from k3jax.model import abstract_variables
-    boxed = abstract_variables(run)     # traced once per config (model._traced_variables)
+    from k3jax.model import abstract_variables, param_shapes
+    boxed = abstract_variables(run)     # traced once per config (model.params._traced_variables)
     mesh_specs = param_specs(boxed, preset.rules, sizes)
-    shapes = nn.unbox(boxed)
+    shapes = param_shapes(run, adapters=True)   # the same trace, unwrapped without constraints
     groups = jax.tree.leaves(muon.param_groups(run, shapes, opt.freeze))
     accum = (opt.grad_accum or 1) > 1
     out = dict(params=0, grads=0, optimizer=0, adapters=0, **({"accumulation": 0} if accum else {}))
