@@ -32,7 +32,9 @@ on data.eval_path; 0 = at the end only; the run also evaluates before its first 
              rollout batch), clip_eps, clip_eps_high (DAPO's clip-higher; null = clip_eps),
              kl_beta (k3 KL to the reference; 0 = none), loss_agg ('sequence' | 'token': DAPO
              | 'constant': Dr. GRPO), scale_rewards (divide advantages by the group's std;
-             false: Dr. GRPO), rewards (built-ins exact_match | tool_call | format, or
+             false: Dr. GRPO), mask_truncated (DAPO's overlong filtering: a completion cut at
+             max_tokens takes no loss, so a right answer that never ends its turn is not
+             reinforced), rewards (built-ins exact_match | tool_call | format, or
              'module:function'), reward_weights (null = 1 each)
   dpo:       (objective dpo; data.format chat: the pairs render as chat) beta, loss ('sigmoid'
              = DPO | 'ipo' | 'simpo': length-normalised, reference-free, margin gamma),
@@ -95,7 +97,8 @@ DEFAULTS = {
     "dpo": {"beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0, "gamma": 0.5},
     "grpo": {"group_size": 8, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "rollout_slots": 64,
              "updates_per_batch": 1, "clip_eps": 0.2, "clip_eps_high": None, "kl_beta": 0.0,
-             "loss_agg": "sequence", "scale_rewards": True, "rewards": ["exact_match"], "reward_weights": None},
+             "loss_agg": "sequence", "scale_rewards": True, "mask_truncated": False, "rewards": ["exact_match"],
+             "reward_weights": None},
     "optimizer": {"lr": 0.02, "adam_lr": None, "warmup_steps": 10, "schedule": "cosine",
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
                   "grad_clip": 1.0, "muon_beta": 0.95, "ns_steps": 5, "muon_rms": 0.2,
@@ -243,7 +246,7 @@ SCHEMA = {
              "rollout_slots": _int(1), "updates_per_batch": _int(1), "clip_eps": _float(above=0, below=1),
              "clip_eps_high": _optional(_float(above=0)), "kl_beta": _float(0),
              "loss_agg": _one_of("sequence", "token", "constant"), "scale_rewards": _bool,
-             "rewards": _list_of(_str()), "reward_weights": _optional(_list_of(_float()))},
+             "mask_truncated": _bool, "rewards": _list_of(_str()), "reward_weights": _optional(_list_of(_float()))},
     # lr 0 is allowed: a run that only measures (or only balances the router) updates nothing
     "optimizer": {"lr": _float(0), "adam_lr": _optional(_float(0)), "warmup_steps": _int(0),
                   "schedule": _one_of(*SCHEDULES), "min_lr_ratio": _float(0, 1), "weight_decay": _float(0),

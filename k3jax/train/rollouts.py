@@ -173,6 +173,8 @@ class RolloutBatches(Recomputed):
         w["stopped"] += sum(r[4] == "stop" for r in res)
         w["n"] += len(res)
         b = pack_rows(res, d["seq_len"] + 1, self.pad_id)
+        if g["mask_truncated"]:     # cut at max_tokens: no loss (the group's advantages still count it)
+            b["loss_mask"] = b["loss_mask"] * np.array([r[4] == "stop" for r in res], np.float32)[:, None]
         b["advantages"] = group_advantages(rewards.reshape(-1, G), g["scale_rewards"]).reshape(-1)
         A, B = d["grad_accum"], d["batch_size"]
         b = {key: v.reshape(A, B, *v.shape[1:]) for key, v in b.items()}

@@ -2,7 +2,8 @@
 meets the stop id ends there (stop kept, its slot freed for a waiting prompt), the others
 run to max_tokens, each row's tokens are the greedy tokens of `generate` on its prompt
 alone; the packed rows train on the completion's targets only; the batch source's
-advantages are its rewards normalised per group and its old log-probs a plain forward's."""
+advantages are its rewards normalised per group and its old log-probs a plain forward's; with
+grpo.mask_truncated the completions cut at max_tokens train on nothing."""
 import json
 
 import jax
@@ -103,3 +104,34 @@ def test_batch_source_advantages_and_old_logps(tiny, tmp_path, monkeypatch):
     w = src.window(1.0)
     assert w["reward_mean"] == pytest.approx(r.mean()) and w["response_length"] > 0
     assert src.batch(0, params) is b                    # one update per batch: step 0's batch again
+
+
+def test_mask_truncated_drops_only_the_completions_cut_at_max_tokens(tiny, tmp_path, monkeypatch):
+    """grpo.mask_truncated: a completion that ran to max_tokens trains on nothing; one that
+    met the stop keeps its targets; the advantages still see every reward of the group."""
+    cfg, params = tiny
+    from k3jax.train import rollouts
+    real, seen = rollouts.rollout, {}
+
+    def with_stop(*a, **kw):   # a stop id some of the tiny model's temperature-1 rows meet
+        free = real(*a, **{**kw, "stop": -1})
+        rows = [c for _, c, *_ in free]
+        some = {t for c in rows for t in c[1:]} - set.intersection(*(set(c) for c in rows))
+        stop = max(sorted(some), key=lambda t: sum(t in c[1:] for c in rows))
+        seen["res"] = res = real(*a, **{**kw, "stop": stop})
+        return res
+    monkeypatch.setattr(rollouts, "rollout", with_stop)
+    tc, prompts = _tc(tmp_path, temperature=1.0)
+    plain = RolloutBatches(tc, prompts, TOK, 511)
+    plain.bind(cfg)
+    want = plain.batch(0, params)
+    tc["grpo"]["mask_truncated"] = True
+    src = RolloutBatches(tc, prompts, TOK, 511)
+    src.bind(cfg)
+    got = src.batch(0, params)
+    cut = np.array([r[4] == "length" for r in seen["res"]])
+    assert cut.any() and (~cut).any(), [r[4] for r in seen["res"]]
+    mask, full = got["loss_mask"][0], want["loss_mask"][0]
+    assert not mask[cut].any() and full[cut].any()
+    np.testing.assert_array_equal(mask[~cut], full[~cut])
+    np.testing.assert_array_equal(got["advantages"], want["advantages"])
