@@ -11,7 +11,6 @@ the reader picks whichever is present.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from k3jax.checkpoint.vision_names import PREFIXES as VISION_PREFIXES, vision_tensor_map

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from k3jax.infer.caches import Cache, apply_updates
 from k3jax.infer.generate import _run
