@@ -27,6 +27,11 @@ def need(path: Path) -> Path:
     return path
 
 
+def export_lost(report: str) -> float:
+    """The fraction of the fine-tune's update that `k3jax export` reports the storage format lost."""
+    return float(report.split("update lost to the storage format: ")[1].split("%")[0]) / 100
+
+
 def rel_l2(a, b) -> float:
     """‖a − b‖₂ / ‖b‖₂ in float64 (= the relative RMS error); 0 when both are zero."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

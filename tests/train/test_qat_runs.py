@@ -13,7 +13,7 @@ import yaml
 from k3jax import cli
 from k3jax.testing.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, need, rel_l2
+from helpers import FAST_COMPILE, FIXTURES, export_lost, need, rel_l2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
@@ -47,10 +47,6 @@ def _export_and_compare(run, tmp, tokens, capsys, *flags):
     return max(rel_l2(got[b], want[b]) for b in range(len(tokens))), io.out + io.err
 
 
-def _lost(report: str) -> float:
-    return float(report.split("update lost to the storage format: ")[1].split("%")[0]) / 100
-
-
 @pytest.fixture(scope="module")
 def fixture_b_lora(env):
     """LoRA on attention and every routed expert over fixture B's MXFP4 experts (held as
@@ -76,7 +72,7 @@ def test_qat_lora_over_mxfp4_experts_exports_the_runs_logits(env, fixture_b_lora
     run = _train(cfg, d, "b_qat", e, "qat=true")
     err, report = _export_and_compare(run, tmp_path, tokens, capsys, "--merge-lora")
     assert err <= 1e-4, err
-    assert _lost(report) == 0.0 and "warning" not in report, report
+    assert export_lost(report) == 0.0 and "warning" not in report, report
 
 
 @pytest.mark.slow
@@ -95,4 +91,4 @@ def test_qat_full_fine_tune_exports_mxfp4_experts_with_the_runs_logits(env, tmp_
     tokens = np.array([[256, *b"The river runs to the sea and back again."]], np.int32)
     err, report = _export_and_compare(run, tmp_path, tokens, capsys)
     assert err <= 1e-4, err
-    assert _lost(report) == 0.0, report
+    assert export_lost(report) == 0.0, report
