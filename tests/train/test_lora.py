@@ -93,14 +93,15 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weights():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
 
     fwd = lambda c, p: M.K3Model(c).apply(M.variables_of(p), TOKENS)  # noqa: E731
-    g_lora = jax.jit(jax.grad(lambda ad: loss(fwd(cfg, {**params, M.LORA_KEY: ad}))))(params[M.LORA_KEY])
     # dW at the adapted forward itself: the gradient of the base weight the adapters add to
-    # (W + s·B·A enters every product as W does). The merged model's own dW equals it up to
-    # fp32 rounding of a second forward (test_adapted_model_equals_merged_weights holds the
-    # forwards equal); differencing two forwards through 13 layers measured 1.2e-4 on an AVX2
-    # machine, rounding, not the chain rule
+    # (W + s·B·A enters every product as W does), from the same backward as the adapters'
+    # (one compile). The merged model's own dW equals it up to fp32 rounding of a second
+    # forward (test_adapted_model_equals_merged_weights holds the forwards equal);
+    # differencing two forwards through 13 layers measured 1.2e-4 on an AVX2 machine,
+    # rounding, not the chain rule
     base = {k: v for k, v in params.items() if k != M.LORA_KEY}
-    g_w = jax.jit(jax.grad(lambda p: loss(fwd(cfg, {**p, M.LORA_KEY: params[M.LORA_KEY]}))))(base)
+    g_w, g_lora = jax.jit(jax.grad(lambda p, ad: loss(fwd(cfg, {**p, M.LORA_KEY: ad})), argnums=(0, 1)))(
+        base, params[M.LORA_KEY])
     checked = 0
     for path, ga in jax.tree_util.tree_leaves_with_path(g_lora):
         keys = [k.key for k in path]
