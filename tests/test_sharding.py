@@ -553,6 +553,29 @@ def test_auto_dispatch_is_gather_for_few_pairs_else_ep_where_the_rules_split_the
         load("toy", ep_exchange="fast")
 
 
+@pytest.mark.slow
+def test_inference_steps_of_few_tokens_gather_where_training_exchanges():
+    """An inference call of at most GATHER_MAX_TOKENS tokens (a decode step) runs 'gather'
+    under 'auto' even where its pairs outnumber a device's experts (expert8: one expert a
+    device, 16 rows x 2 pairs): no all-to-all in the decode step, where a train step of the
+    same tokens exchanges them ('ep'). Larger calls and explicit dispatches are left alone."""
+    from k3jax.infer.caches import init_cache
+    from k3jax.infer.generate import _run
+    from k3jax.model import abstract_params
+    cfg = load("toy", kda_impl="recurrent")
+    assert md.for_inference(cfg, md.GATHER_MAX_TOKENS).runtime.moe_dispatch == "gather"
+    assert md.for_inference(cfg, md.GATHER_MAX_TOKENS + 1) is cfg
+    assert md.for_inference(cfg.with_runtime(moe_dispatch="ep"), 1).runtime.moe_dispatch == "ep"
+    params = abstract_params(cfg)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 16, 32))
+    tokens, n_new = jnp.zeros((16, 1), jnp.int32), jnp.ones((16,), jnp.int32)
+    with use_mesh(*load_mesh("expert8")):
+        assert md.dispatch_name(cfg, pairs=32) == "ep"
+        decode = str(jax.make_jaxpr(lambda p, c: _run(cfg, p, c.layers, c.lengths, tokens, n_new))(params, cache))
+        train = str(jax.make_jaxpr(lambda p: K3Model(cfg).apply({"params": p}, tokens.reshape(1, 16)))(params))
+    assert "all_to_all" not in decode and "all_to_all" in train
+
+
 def test_a_rules_table_names_every_logical_axis(tmp_path):
     """A logical axis a preset's rules leave out would replicate every weight dim on it
     silently (at pod scale an OOM): refused, naming the axes; `AXIS: null` keeps one whole."""

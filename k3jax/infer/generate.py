@@ -25,9 +25,11 @@ from k3jax.infer.caches import Cache, apply_updates, empty_past, init_cache
 from k3jax.infer.sampling import SamplingParams, sample, step_key
 from k3jax.errors import InputError
 from k3jax.model import K3Model, validate_inputs, variables_of
+from k3jax.ops.moe_dispatch import for_inference
 
 
 def _run(cfg, params, past_layers, lengths, tokens, n_new, features=None, rows=None):
+    cfg = for_inference(cfg, tokens.size)
     return K3Model(cfg).apply(variables_of(params), tokens, cache=past_layers, pos=(lengths, n_new),
                               image_features=features, feature_rows=rows)
 

@@ -210,6 +210,23 @@ def dispatch_name(cfg: ModelConfig, pairs: int | None = None) -> str:
     return "ep" if ex == ("expert",) else "ragged"
 
 
+# A step of at most this many tokens is bound by reading its weights: 'gather' multiplies
+# every token with each expert it takes, n FLOPs per weight byte, under a TPU v5p's or an
+# H100's FLOP/byte balance (about 166 and 295) for n <= 128. On v5p-256-serve, K3 decoding
+# 32 sequences read 12.5 TB a step with 'gather' against 26.0 with 'ep' (docs/performance.md).
+GATHER_MAX_TOKENS = 128
+
+
+def for_inference(cfg: ModelConfig, tokens: int) -> ModelConfig:
+    """The config an inference call of `tokens` tokens runs: 'auto' takes 'gather' for a
+    decode step (at most GATHER_MAX_TOKENS tokens) even where the pairs outnumber a device's
+    experts. Training keeps 'auto's rule: gather's weight gradient would scatter into
+    every expert's."""
+    if cfg.runtime.moe_dispatch != "auto" or not cfg.num_experts or tokens > GATHER_MAX_TOKENS:
+        return cfg
+    return cfg.with_runtime(moe_dispatch="gather")
+
+
 def describe_dispatch(cfg: ModelConfig) -> str:
     """For logs: 'ep (auto; gather under 28 pairs)', the dispatch run under the context
     mesh and what was asked."""

@@ -112,31 +112,54 @@ def gather_local(act, n_local: int, expert_axes: tuple[str, ...], axes: tuple[st
         safe = jnp.minimum(picked, n_local - 1)
     hit = (ids[:, :, None] == picked[None, None, :]) & (picked < n_local)[None, None, :]
     comb = jnp.sum(jnp.where(hit, w[:, :, None], 0.0), axis=1)                    # [n, m]
-    mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
-    h = act(mm(z, "w1", "nh,mhf->nmf"), mm(z, "w3", "nh,mhf->nmf"))
     if every:
-        y = _folded_w2(h, comb, weights["w2"], adapters.get("w2"), scales.get("w2", 0.0))
+        up = lambda r: _every_up(z, weights[r], adapters.get(r), scales.get(r, 0.0))  # noqa: E731
+        y = _folded_w2(act(up("w1"), up("w3")), comb, weights["w2"], adapters.get("w2"), scales.get("w2", 0.0))
     else:
+        mm = lambda x, r, eq: _product(x, weights[r], adapters.get(r), scales.get(r, 0.0), safe, eq)  # noqa: E731
+        h = act(mm(z, "w1", "nh,mhf->nmf"), mm(z, "w3", "nh,mhf->nmf"))
         out = mm(h, "w2", "nmf,mfh->nmh")
         y = jnp.einsum("nm,nmh->nh", comb, out.astype(jnp.float32), precision=_HI)
     return jax.lax.psum(y, axes) if axes else y
 
 
-def _folded_w2(h, comb, w2, adapter, scale: float):
-    """sum_e comb[n, e] · (h[n, e] w2_e (+ its adapter)) over every local expert, with the
-    routing weight folded into the contraction over (e, f), so no [N, E, H] product exists.
-    For pairs naming more experts than are worth taking one by one (K3 at 32 sequences on
-    v5p-256-decode: 512 of 896); taking them as one gather instead copied each scanned
-    layer's whole expert slice out of its stack first (26.9 TB a step over 128 chips where
-    the weights are 5.6 TB). The routing weight rounds with h once, as the other paths
-    round each expert's output."""
-    dt = h.dtype
-    hc = (h.astype(jnp.float32) * comb[:, :, None]).astype(dt)                      # [n, El, F]
-    f32 = dict(preferred_element_type=jnp.float32)
-    y = jnp.einsum("nef,efh->nh", hc, w2.astype(dt), **f32)
+# With more experts to take than are worth taking one by one (K3 at 32 sequences on
+# v5p-256-decode: 512 pairs, about 390 distinct experts of 896 a layer), every local expert
+# runs once, its rows outermost: h is [E, F, n] (the tokens innermost, as w2's rows want
+# them), the routing weight folded into w2's contraction over (e, f), so no [n, E, H]
+# product exists.
+#
+# Written as the einsums 'nh,ehf->nef' and 'nef,efh->nh', XLA:TPU made convolutions of
+# them with the expert hidden F (24 columns a chip there) as the window, wanting F
+# outermost: every scanned layer's expert stacks were copied out of their storage into
+# that order first, three times the expert bytes of a decode step.
+
+
+def _every_up(z, w, adapter, scale: float):
+    """Every local expert of w [E, H, F] on every token z [n, H]: [E, F, n] (+ adapter)."""
+    dt = z.dtype
+    y = jnp.einsum("ehf,nh->efn", w.astype(dt), z)
     if adapter is None:
         return y
     a, b = adapter
-    low = (jnp.einsum("nef,fr->ner", hc, a.astype(dt), **f32) if a.ndim == 2
-           else jnp.einsum("nef,efr->ner", hc, a.astype(dt), **f32))
-    return y + scale * jnp.einsum("ner,erh->nh", low.astype(dt), b.astype(dt), **f32)
+    f32 = dict(preferred_element_type=jnp.float32)
+    low = (jnp.einsum("nh,hr->rn", z, a.astype(dt), **f32)[None] if a.ndim == 2
+           else jnp.einsum("nh,ehr->ern", z, a.astype(dt), **f32)).astype(dt)
+    delta = jnp.einsum("ern,erf->efn", jnp.broadcast_to(low, (b.shape[0], *low.shape[1:])), b.astype(dt), **f32)
+    return y + (scale * delta).astype(y.dtype)
+
+
+def _folded_w2(h, comb, w2, adapter, scale: float):
+    """sum_e comb[n, e] · (h[e, :, n] w2_e (+ its adapter)) over every local expert, h
+    [E, F, n], with the routing weight folded into the contraction over (e, f). The routing
+    weight rounds with h once, as the other paths round each expert's output."""
+    dt = h.dtype
+    hc = (h.astype(jnp.float32) * comb.T[:, None, :]).astype(dt)                    # [El, F, n]
+    f32 = dict(preferred_element_type=jnp.float32)
+    y = jnp.einsum("efn,efh->nh", hc, w2.astype(dt), **f32)
+    if adapter is None:
+        return y
+    a, b = adapter
+    low = (jnp.einsum("efn,fr->ern", hc, a.astype(dt), **f32) if a.ndim == 2
+           else jnp.einsum("efn,efr->ern", hc, a.astype(dt), **f32))
+    return y + scale * jnp.einsum("ern,erh->nh", low.astype(dt), b.astype(dt), **f32)
