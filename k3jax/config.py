@@ -140,8 +140,9 @@ class RuntimeOptions:
     # 'recurrent' | 'chunk' | 'assoc' | 'pallas' (k3jax.ops.kda)
     kda_impl: str = "auto"
     kda_chunk_size: int = 64
-    # 'auto' ('ep' on a mesh with an expert axis, else 'ragged') | 'dense' | 'ragged' | 'ep' |
-    # 'gather' (decode): k3jax.ops.moe_dispatch
+    # 'auto' ('ep' on a mesh with an expert axis, else 'ragged'; 'gather' for fewer pairs than
+    # a device's experts and for inference calls of at most 128 tokens) | 'dense' | 'ragged' |
+    # 'ep' | 'gather' (decode): k3jax.ops.moe_dispatch
     moe_dispatch: str = "auto"
     # how 'ep' moves pairs: 'auto' (ragged_all_to_all on TPU/GPU, a padded all_to_all on
     # CPU, which has no ragged one) | 'padded' | 'ragged' | 'emulated' (ragged's bookkeeping

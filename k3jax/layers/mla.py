@@ -4,6 +4,8 @@ The 64 "rope" dims of q and the shared k_r head are used as they are: Kimi's MLA
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -49,12 +51,35 @@ def _attend(q, k, v, mask, scale: float):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32)).astype(v.dtype)
 
 
+class StackedPast(NamedTuple):
+    """A scanned layer's latent cache left in its group's stack [G, B, S, E] with the
+    layer's place `index`, read by each product as its own slice of the stack. Sliced
+    once by the scan and read by two products (scores and the weighted sum), the layer's
+    cache was copied out of the stack first on TPU, as XLA fuses a dynamic slice only into
+    a single reader: twice the cache bytes of a decode step (docs/performance.md)."""
+    stack: jax.Array
+    index: jax.Array
+
+    @property
+    def shape(self):
+        return self.stack.shape[1:]
+
+    def take(self, width: int):
+        """The layer's [B, S, width] leading features."""
+        B, S = self.shape[:2]
+        return jax.lax.dynamic_slice(self.stack, (self.index, 0, 0, 0), (1, B, S, width))[0]
+
+
+def _past(past, width: int):
+    return past.take(width) if isinstance(past, StackedPast) else past[..., :width]
+
+
 def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float):
     """Attention over the latent cache as one (kv_lora + rope)-wide MQA head.
 
     q [B, T, H, dn + dr]; entries [B, T, E] the new tokens' latents (E = kv_lora + dr:
-    normalised c, then k_r); past [B, S, E] earlier latents, valid below lengths [B]
-    (S may be 0); kv_b [kv_lora, H, dn + dv] the kv_b_proj kernel. Since
+    normalised c, then k_r); past [B, S, E] earlier latents (or a StackedPast), valid
+    below lengths [B] (S may be 0); kv_b [kv_lora, H, dn + dv] the kv_b_proj kernel. Since
     q·k_nope = q_nope·(W_uk c) = (W_ukᵀ q_nope)·c, W_uk is folded into q and W_uv applied
     to the attention-weighted latents, so nothing per head is ever expanded per token.
     New tokens attend causally among themselves: right padding after a row's real
@@ -73,12 +98,11 @@ def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float):
         p = jax.nn.softmax(s_new, axis=-1)
         o = jnp.einsum("bhts,bsr->bthr", p, new[..., :r])
     else:
-        old = past.astype(f32)
-        s_old = jnp.einsum("bthe,bse->bhts", qf, old)
-        s_old = jnp.where((jnp.arange(old.shape[1])[None, :] < lengths[:, None])[:, None, None, :], s_old, -jnp.inf)
+        S = past.shape[1]
+        s_old = jnp.einsum("bthe,bse->bhts", qf, _past(past, past.shape[2]).astype(f32))
+        s_old = jnp.where((jnp.arange(S)[None, :] < lengths[:, None])[:, None, None, :], s_old, -jnp.inf)
         p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
-        S = old.shape[1]
-        o = (jnp.einsum("bhts,bsr->bthr", p[..., :S], old[..., :r])
+        o = (jnp.einsum("bhts,bsr->bthr", p[..., :S], _past(past, r).astype(f32))
              + jnp.einsum("bhts,bsr->bthr", p[..., S:], new[..., :r]))
     return jnp.einsum("bthr,rhv->bthv", o, w_uv)
 

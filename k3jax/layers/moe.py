@@ -11,12 +11,12 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from k3jax.config import ConfigError, ModelConfig
-from k3jax.layers.common import (HIGHEST, compute_dtype, dense, logical, lora_a_init, lora_b_init, matrix_init,
+from k3jax.layers.common import (HIGHEST, compute_dtype, constrain, dense, logical, lora_a_init, lora_b_init, matrix_init,
                                  param_dtype)
 from k3jax.layers.mlp import GatedMLP, glu_activation
 from k3jax.layers.norms import RMSNorm
 from k3jax.layout import layer_subpath
-from k3jax.ops.moe_dispatch import ROLES, routed_experts, token_axes
+from k3jax.ops.moe_dispatch import ROLES, dispatch_name, routed_experts, token_axes
 from k3jax.ops.mxfp4 import GROUP_SIZE, MXFP4, quantize_mxfp4_jax
 
 
@@ -67,6 +67,12 @@ class StableLatentMoE(nn.Module):
         self.sow("intermediates", "router_idx", idx)
 
         z = dense(cfg, H, ("embed", "low_rank"), "routed_expert_down_proj")(xf) if cfg.use_latent_moe else xf
+        # 'gather' (decode) takes the few tokens' latents whole on every device: left to
+        # itself XLA gathered the down- and up-projections' weights split along low_rank
+        # (51 MB a chip a layer for K3 on v5p-256-serve) instead of the [tokens, latent] rows
+        gather = cfg.use_latent_moe and dispatch_name(cfg, idx.size) == "gather"
+        if gather:
+            z = constrain(z, (None, "low_rank"))
         cdt = compute_dtype(cfg)
         shapes = {"w1": ((E, H, F), ("expert", "latent", "expert_mlp")),
                   "w2": ((E, F, H), ("expert", "expert_mlp", "latent")),
@@ -78,6 +84,8 @@ class StableLatentMoE(nn.Module):
         if dropped is not None:
             self.sow("intermediates", "ep_dropped", dropped)   # pairs the capacity dropped
         y = y.astype(cdt)
+        if gather:
+            y = constrain(y, (None, "low_rank"))
         if cfg.use_latent_moe:
             if cfg.latent_moe_use_norm:
                 y = RMSNorm(cfg.rms_norm_eps, "latent", name="routed_expert_norm")(y)

@@ -21,7 +21,7 @@ from k3jax.errors import InputError, check_token_ids
 from k3jax.layers.attn_res import AttnRes, defer_block, flush_block, push_block
 from k3jax.layers.common import TokenEmbed, compute_dtype, constrain, dense, logical, param_dtype
 from k3jax.layers.kda import KimiDeltaAttention
-from k3jax.layers.mla import GatedMLA
+from k3jax.layers.mla import GatedMLA, StackedPast
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
@@ -129,6 +129,10 @@ class LayerGroup(nn.Module):
     def __call__(self, res: Residual, segment_ids, first_layer_idx, cache=None, pos=None):
         layer_cls = _remat(DecoderLayer, self.cfg)
         updates = None if cache is None else {}
+        if cache is not None:   # the group's stacked caches, whole: this group's place in them
+            plan = layer_plan(self.cfg)
+            cache = {name: _group_view(c, (first_layer_idx - plan.group_start) // plan.group_size)
+                     for name, c in cache.items()}
         pushes = self.pushes or (True,) * len(self.kinds)
         for j, (attn_kind, ffn_kind) in enumerate(self.kinds):
             name = slot_name(j)
@@ -141,6 +145,14 @@ class LayerGroup(nn.Module):
         if res.pending is not None:
             res = Residual(res.p, *flush_block(res.stack, res.count, res.pending, res.has_pending))
         return res, updates
+
+
+def _group_view(layer_cache: dict, g):
+    """One scanned layer's cache from its stacks: the MLA latents ('kv') as a StackedPast
+    its two products slice themselves, the rest (KDA state, conv tails: one reader each)
+    sliced here."""
+    return {k: StackedPast(v, g) if k == "kv" else jax.lax.dynamic_index_in_dim(v, g, 0, keepdims=False)
+            for k, v in layer_cache.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,7 +207,7 @@ class K3Model(nn.Module):
         if plan.n_groups:
             Scanned = nn.scan(LayerGroup, variable_axes={"params": 0, "intermediates": 0, LORA_KEY: 0},
                               split_rngs={"params": True, LORA_KEY: True},
-                              in_axes=(nn.broadcast, 0, 0, nn.broadcast),
+                              in_axes=(nn.broadcast, 0, nn.broadcast, nn.broadcast),
                               length=plan.n_groups, metadata_params={nn.PARTITION_NAME: "layers"})
             firsts = plan.group_start + plan.group_size * jnp.arange(plan.n_groups, dtype=jnp.int32)
             res, u = Scanned(cfg, plan.group, slot_pushes(cfg, plan), name=GROUPS)(
