@@ -576,6 +576,28 @@ def test_inference_steps_of_few_tokens_gather_where_training_exchanges():
     assert "all_to_all" not in decode and "all_to_all" in train
 
 
+@pytest.mark.slow
+def test_a_decode_step_keeps_the_latent_projections_split():
+    """Serving rules split the latent MoE's down/up projections along low_rank. Under
+    'gather' a decode step gathers the tokens' [tokens, latent] rows, never those weights
+    (it had all-gathered both, whole, on every device every layer: K3 read 51 MB a chip a
+    layer for a 32-token step)."""
+    from k3jax.infer.caches import init_cache
+    from k3jax.infer.generate import _run
+    cfg = load("toy", kda_impl="recurrent")
+    D, H = cfg.hidden_size, cfg.moe_hidden_size
+    mesh, rules = load_mesh("expert_hidden8")
+    params = shard_params(init_params(cfg, jax.random.PRNGKey(0)), param_shardings(cfg, mesh, rules))
+    cache = jax.eval_shape(lambda: init_cache(cfg, 4, 16))
+    tokens, n_new = jnp.zeros((4, 1), jnp.int32), jnp.ones((4,), jnp.int32)
+    with use_mesh(mesh, rules):
+        assert md.dispatch_name(md.for_inference(cfg, 4), pairs=8) == "gather"
+        text = jax.jit(lambda p, c: _run(cfg, p, c.layers, c.lengths, tokens, n_new)).lower(params, cache).compile().as_text()
+    whole = re.compile(r"= \w+\[(1,)?(%d,%d|%d,%d)\]\S* (all-gather|all-reduce)\(" % (D, H, H, D))
+    assert "routed_expert_down_proj" in text
+    assert not [line for line in text.splitlines() if whole.search(line)]
+
+
 def test_a_rules_table_names_every_logical_axis(tmp_path):
     """A logical axis a preset's rules leave out would replicate every weight dim on it
     silently (at pod scale an OOM): refused, naming the axes; `AXIS: null` keeps one whole."""
