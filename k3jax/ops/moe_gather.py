@@ -132,7 +132,8 @@ def gather_local(act, n_local: int, expert_axes: tuple[str, ...], axes: tuple[st
 # Written as the einsums 'nh,ehf->nef' and 'nef,efh->nh', XLA:TPU made convolutions of
 # them with the expert hidden F (24 columns a chip there) as the window, wanting F
 # outermost: every scanned layer's expert stacks were copied out of their storage into
-# that order first, three times the expert bytes of a decode step.
+# that order first. In this form w1's and w3's are read where they lie; w2's contraction
+# over (e, f) is still such a convolution and its stack still copied (docs/performance.md).
 
 
 def _every_up(z, w, adapter, scale: float):
