@@ -28,10 +28,7 @@ _ROLES = EXPERT_ROLES
 
 
 def _take(w, ids, dtype):
-    """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened);
-    ids None: every local expert, the stack itself."""
-    if ids is None:
-        return dequantize_experts(w, dtype) if isinstance(w, MXFP4) else w.astype(dtype)
+    """Experts `ids` of one weight as [m, in, out] in `dtype` (MXFP4: only these widened)."""
     if isinstance(w, MXFP4):
         return dequantize_experts(MXFP4(_rows(w.packed, ids), _rows(w.scale, ids)), dtype)
     return _rows(w, ids).astype(dtype)
@@ -59,16 +56,12 @@ def _base_product(x, w, ids, equation: str):
     slice of the stack: stacking the slices into a [m, in, out] buffer first made XLA write
     and read them again (about 3x the expert bytes of a K3 decode step)."""
     dt = x.dtype
-    if ids is None or ids.shape[0] > _SLICED_MAX:
+    if ids.shape[0] > _SLICED_MAX:
         return jnp.einsum(equation, x, _take(w, ids, dt))
     one = lambda j: _take(w, ids[j:j + 1], dt)[0]  # noqa: E731 — [in, out] of expert ids[j]
     if equation == "nh,mhf->nmf":
         return jnp.stack([x @ one(j) for j in range(ids.shape[0])], axis=1)
     return jnp.stack([x[:, j] @ one(j) for j in range(ids.shape[0])], axis=1)
-
-
-def _sel(x, ids):
-    return x if ids is None else x[ids]
 
 
 def _product(x, w, adapter, scale: float, ids, equation: str):
@@ -83,12 +76,11 @@ def _product(x, w, adapter, scale: float, ids, equation: str):
     if a.ndim == 2:   # 'shared_a': one A for every expert
         low = jnp.einsum("nmh,hr->nmr" if per_token else "nh,hr->nr", x, a.astype(dt),
                          preferred_element_type=jnp.float32).astype(dt)
-        m = b.shape[0] if ids is None else ids.shape[0]
-        low = low if per_token else jnp.broadcast_to(low[:, None], (low.shape[0], m, low.shape[-1]))
+        low = low if per_token else jnp.broadcast_to(low[:, None], (low.shape[0], ids.shape[0], low.shape[-1]))
     else:
-        low = jnp.einsum("nmh,mhr->nmr" if per_token else "nh,mhr->nmr", x, _sel(a, ids).astype(dt),
+        low = jnp.einsum("nmh,mhr->nmr" if per_token else "nh,mhr->nmr", x, a[ids].astype(dt),
                          preferred_element_type=jnp.float32).astype(dt)
-    delta = jnp.einsum("nmr,mrf->nmf", low, _sel(b, ids).astype(dt), preferred_element_type=jnp.float32)
+    delta = jnp.einsum("nmr,mrf->nmf", low, b[ids].astype(dt), preferred_element_type=jnp.float32)
     return y + (scale * delta).astype(y.dtype)
 
 
@@ -144,9 +136,12 @@ def _every_up(z, w, adapter, scale: float):
         return y
     a, b = adapter
     f32 = dict(preferred_element_type=jnp.float32)
-    low = (jnp.einsum("nh,hr->rn", z, a.astype(dt), **f32)[None] if a.ndim == 2
-           else jnp.einsum("nh,ehr->ern", z, a.astype(dt), **f32)).astype(dt)
-    delta = jnp.einsum("ern,erf->efn", jnp.broadcast_to(low, (b.shape[0], *low.shape[1:])), b.astype(dt), **f32)
+    if a.ndim == 2:   # 'shared_a': one A for every expert
+        low = jnp.einsum("nh,hr->rn", z, a.astype(dt), **f32).astype(dt)
+        delta = jnp.einsum("rn,erf->efn", low, b.astype(dt), **f32)
+    else:
+        low = jnp.einsum("nh,ehr->ern", z, a.astype(dt), **f32).astype(dt)
+        delta = jnp.einsum("ern,erf->efn", low, b.astype(dt), **f32)
     return y + (scale * delta).astype(y.dtype)
 
 
