@@ -69,6 +69,7 @@ _LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads",
 
 KDA_IMPLS = ("auto", "recurrent", "chunk", "assoc", "pallas")
 MOE_DISPATCHES = ("auto", "dense", "ragged", "ep", "gather")
+DECODE_ATTENTIONS = ("auto", "xla", "pallas")
 EP_EXCHANGES = ("auto", "padded", "ragged", "emulated")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -164,6 +165,10 @@ class RuntimeOptions:
     # MLA over whole sequences runs its queries in blocks of this many tokens (0 = all at
     # once): the fp32 scores alive at once are [heads, block, T], not [heads, T, T]
     attention_q_block: int = 1024
+    # MLA over cached latents (decode, prefill chunks after the first): 'pallas' reads the
+    # cache once (k3jax.ops.latent_attention), 'xla' in two products that each read it;
+    # 'auto' = 'pallas' on TPU, 'xla' elsewhere (the kernel is interpreted on CPU)
+    decode_attention: str = "auto"
     scan_layers: bool = True          # nn.scan over the repeated layer groups
     remat: str = "none"               # 'none' | 'full' | 'dots'
     # routed experts held widened to param_dtype ('bf16') or as the checkpoint's own MXFP4
@@ -181,6 +186,8 @@ class RuntimeOptions:
         _check(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch", self.moe_dispatch,
                f"expected one of {MOE_DISPATCHES}")
         _check(self.ep_exchange in EP_EXCHANGES, "ep_exchange", self.ep_exchange, f"expected one of {EP_EXCHANGES}")
+        _check(self.decode_attention in DECODE_ATTENTIONS, "decode_attention", self.decode_attention,
+               f"expected one of {DECODE_ATTENTIONS}")
         _check(self.kda_chunk_size > 0, "kda_chunk_size", self.kda_chunk_size)
         _check(isinstance(self.attention_q_block, int) and self.attention_q_block >= 0, "attention_q_block",
                self.attention_q_block, "must be a non-negative integer")

@@ -5,8 +5,12 @@
 exactly like the params, so the cache rides through the same `nn.scan`):
   KDA layer: `q_conv`, `k_conv`, `v_conv` [B, W-1, H*K] (the last W-1 conv inputs, compute
              dtype) and `state` [B, H, K, V] fp32 — constant size, whatever the context;
-  MLA layer: `kv` [B, max_len, kv_lora + rope] — normalised c then k_r per token, in a
-             preallocated buffer, valid below `lengths`.
+  MLA layer: `kv` [B, kv_lora + rope, max_len] — normalised c then k_r per token, in a
+             preallocated buffer, valid below `lengths`. Feature-major, positions minor:
+             TPU lays a [.., max_len, 576] buffer out with the positions minor anyway (576
+             is not a multiple of 128 lanes), and the fused decode attention
+             (pallas_kernels.latent_attention) reads row-major blocks, so stored this way
+             what the kernel reads is what the compiler stores: no relayout of the cache.
 Block AttnRes mixes over depth per token, so nothing of it is cached across time.
 `lengths` [B] int32 counts the tokens cached per row (rows may differ).
 """
@@ -31,7 +35,7 @@ class Cache(NamedTuple):
         """Token capacity of the MLA buffers (unbounded for KDA-only models: None)."""
         for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(self.layers):
             if getattr(leaf_path[-1], "key", None) == "kv":
-                return leaf.shape[-2]
+                return leaf.shape[-1]
         return None
 
 
@@ -43,7 +47,7 @@ def _layer_cache(cfg: ModelConfig, kind: str, batch: int, max_len: int, lead: tu
         tails = {f"{n}_conv": jnp.zeros(lead + (batch, W - 1, H * K), dt) for n in "qkv"}
         return {**tails,
                 "state": jnp.zeros(lead + (batch, H, K, K), jnp.float32)}
-    return {"kv": jnp.zeros(lead + (batch, max_len, cfg.mla_cache_dim), dt)}
+    return {"kv": jnp.zeros(lead + (batch, cfg.mla_cache_dim, max_len), dt)}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
@@ -61,48 +65,55 @@ def empty_past(cache: Cache) -> dict:
     """The cache as a fresh prefill sees it: zero KDA state and no earlier latents (the
     MLA buffers cut to length 0, so prefill attends only among its own tokens)."""
     def cut(path, x):
-        return x[..., :0, :] if getattr(path[-1], "key", None) == "kv" else x
+        return x[..., :0] if getattr(path[-1], "key", None) == "kv" else x
     return jax.tree_util.tree_map_with_path(cut, cache.layers)
 
 
 def apply_updates(cache: Cache, updates: dict, n_new) -> Cache:
     """Fold one model call's updates into the cache: KDA entries are replaced, MLA latents
-    [.., B, T, E] are written at each row's positions lengths[b] + t for t < n_new[b]
-    (padding is dropped, never written)."""
+    [.., B, T, E] are written into the [.., B, E, S] buffers at each row's positions
+    lengths[b] + t for t < n_new[b] (padding is dropped, never written)."""
     B = cache.lengths.shape[0]
 
     def merge(path, old, new):
         if getattr(path[-1], "key", None) != "kv":
             return new
-        T, S = new.shape[-2], old.shape[-2]
+        T, S = new.shape[-2], old.shape[-1]
         if T == 1:
             return _write_one_token(old, new, cache.lengths, n_new)
         t = jnp.arange(T)[None, :]
         pos = jnp.where(t < n_new[:, None], cache.lengths[:, None] + t, S)  # S: out of range, dropped
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        # indices split by a slice: the indexed dims come first ([B, T, (G,) E])
         if old.ndim == 3:
-            return old.at[rows, pos].set(new.astype(old.dtype), mode="drop")
-        return old.at[:, rows, pos].set(new.astype(old.dtype), mode="drop")
+            return old.at[rows, :, pos].set(new.astype(old.dtype), mode="drop")
+        return old.at[:, rows, :, pos].set(jnp.moveaxis(new, 0, 2).astype(old.dtype), mode="drop")
 
     layers = jax.tree_util.tree_map_with_path(merge, cache.layers, updates)
     return Cache(layers, cache.lengths + n_new.astype(cache.lengths.dtype))
 
 
 def _write_one_token(old, new, lengths, n_new):
-    """A decode step's latents [.., B, 1, E] written at lengths[b], one in-place update per
-    row. The scatter form compiled for TPU re-laid the whole cache out and back around the
-    scatter: K3 at 32 sequences copied its 6.6 GB per chip four times a step
-    (docs/performance.md, decode). A full row (lengths[b] = S) or no new token (n_new[b] = 0)
-    writes back what is there. A Python loop, not a fori_loop: the loop form compiled to
-    1.75 GiB more temporaries per chip for the same step (K3, 32 sequences, v5p-256-decode)."""
-    S = old.shape[-2]
+    """A decode step's latents [.., B, 1, E] written at lengths[b] of [.., B, E, S], one in-place update per
+    row. Each row rewrites the aligned window of up to 128 positions around its slot (the
+    new column selected in, the rest written back as read): a one-column update [.., E, 1]
+    made XLA's TPU layout pass re-lay the whole cache out E-minor and back around the write
+    (0.6 GB per MLA layer per chip, K3 at 32 sequences), while a [.., E, 128] window tiles like
+    the S-minor cache itself and stays in place. A full row (lengths[b] = S) or no new token
+    (n_new[b] = 0) writes back what is there. A Python loop, not a fori_loop: the loop form
+    compiled to 1.75 GiB more temporaries per chip for the same step."""
+    S = old.shape[-1]
+    w = min(128, S)
     lead = old.ndim - 3                                   # 1 for the scanned groups' stacks
+    slot = jnp.arange(w)
     for b in range(lengths.shape[0]):
-        at = (0,) * lead + (b, jnp.minimum(lengths[b], S - 1), 0)
-        size = old.shape[:lead] + (1, 1, old.shape[-1])
+        pos = jnp.minimum(lengths[b], S - 1)
+        start = jnp.minimum(pos // w * w, S - w)
+        at = (0,) * lead + (b, 0, start)
+        size = old.shape[:lead] + (1, old.shape[-2], w)
         here = jax.lax.dynamic_slice(old, at, size)
-        fresh = jax.lax.dynamic_slice_in_dim(new, b, 1, axis=lead).astype(old.dtype)
-        keep = (lengths[b] < S) & (n_new[b] > 0)
+        fresh = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(new, b, 1, axis=lead), -1, -2).astype(old.dtype)
+        keep = (slot == pos - start) & (lengths[b] < S) & (n_new[b] > 0)
         old = jax.lax.dynamic_update_slice(old, jnp.where(keep, fresh, here), at)
     return old
 
@@ -142,12 +153,12 @@ def resize(cache: Cache, max_len: int) -> Cache:
     def fit(path, x):
         if getattr(path[-1], "key", None) != "kv":
             return x
-        S = x.shape[-2]
+        S = x.shape[-1]
         if max_len >= S:
             pad = [(0, 0)] * x.ndim
-            pad[-2] = (0, max_len - S)
+            pad[-1] = (0, max_len - S)
             return jnp.pad(x, pad)
-        return x[..., :max_len, :]
+        return x[..., :max_len]
     if cache.max_len is not None and max_len < int(jnp.max(cache.lengths)):
         raise ValueError(f"cannot cut a cache holding {int(jnp.max(cache.lengths))} tokens to max_len={max_len}")
     return Cache(jax.tree_util.tree_map_with_path(fit, cache.layers), cache.lengths)

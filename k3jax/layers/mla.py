@@ -13,6 +13,7 @@ from flax import linen as nn
 from k3jax.config import ModelConfig
 from k3jax.layers.common import compute_dtype, constrain, dense, merged_kernel
 from k3jax.layers.norms import RMSNorm
+from k3jax.ops import latent_attention
 
 
 def attention_mask(T: int, segment_ids=None):
@@ -52,7 +53,7 @@ def _attend(q, k, v, mask, scale: float):
 
 
 class StackedPast(NamedTuple):
-    """A scanned layer's latent cache left in its group's stack [G, B, S, E] with the
+    """A scanned layer's latent cache left in its group's stack [G, B, E, S] with the
     layer's place `index`, read by each product as its own slice of the stack. Sliced
     once by the scan and read by two products (scores and the weighted sum), the layer's
     cache was copied out of the stack first on TPU, as XLA fuses a dynamic slice only into
@@ -65,25 +66,28 @@ class StackedPast(NamedTuple):
         return self.stack.shape[1:]
 
     def take(self, width: int):
-        """The layer's [B, S, width] leading features."""
-        B, S = self.shape[:2]
-        return jax.lax.dynamic_slice(self.stack, (self.index, 0, 0, 0), (1, B, S, width))[0]
+        """The layer's [B, width, S] leading features."""
+        B, _, S = self.shape
+        return jax.lax.dynamic_slice(self.stack, (self.index, 0, 0, 0), (1, B, width, S))[0]
 
 
 def _past(past, width: int):
-    return past.take(width) if isinstance(past, StackedPast) else past[..., :width]
+    return past.take(width) if isinstance(past, StackedPast) else past[..., :width, :]
 
 
-def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float):
+def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float, impl: str = "xla"):
     """Attention over the latent cache as one (kv_lora + rope)-wide MQA head.
 
     q [B, T, H, dn + dr]; entries [B, T, E] the new tokens' latents (E = kv_lora + dr:
-    normalised c, then k_r); past [B, S, E] earlier latents (or a StackedPast), valid
+    normalised c, then k_r); past [B, E, S] earlier latents (or a StackedPast), valid
     below lengths [B] (S may be 0); kv_b [kv_lora, H, dn + dv] the kv_b_proj kernel. Since
     q·k_nope = q_nope·(W_uk c) = (W_ukᵀ q_nope)·c, W_uk is folded into q and W_uv applied
     to the attention-weighted latents, so nothing per head is ever expanded per token.
     New tokens attend causally among themselves: right padding after a row's real
-    tokens is never seen by them. Returns [B, T, H, dv] fp32.
+    tokens is never seen by them. impl 'pallas': the earlier latents go through
+    k3jax.ops.latent_attention (the cache read once), joined to the new tokens' scores by
+    their log-sum-exp; 'xla': one softmax over both, in products that each read the cache.
+    Returns [B, T, H, dv] fp32.
     """
     f32 = jnp.float32
     r = kv_b.shape[0]
@@ -94,21 +98,30 @@ def absorbed_attention(q, entries, past, lengths, kv_b, dn: int, scale: float):
     new = entries.astype(f32)
     s_new = jnp.einsum("bthe,bse->bhts", qf, new)
     s_new = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s_new, -jnp.inf)
-    if past.shape[1] == 0:  # a fresh prefill: no earlier tokens
+    if past.shape[-1] == 0:  # a fresh prefill: no earlier tokens
         p = jax.nn.softmax(s_new, axis=-1)
         o = jnp.einsum("bhts,bsr->bthr", p, new[..., :r])
+    elif impl == "pallas":
+        stack, index = (past.stack, past.index) if isinstance(past, StackedPast) else (past[None], 0)
+        o_old, lse_old = latent_attention.attend_past(qf, stack, index, lengths, r)
+        lse_old = jnp.moveaxis(lse_old, 1, 2)                                   # [B, H, T]
+        top = jnp.maximum(lse_old, jnp.max(s_new, axis=-1))                   # finite: a token sees itself
+        w_old, p_new = jnp.exp(lse_old - top), jnp.exp(s_new - top[..., None])
+        den = w_old + jnp.sum(p_new, axis=-1)
+        o = ((jnp.moveaxis(w_old, 1, 2)[..., None] * o_old + jnp.einsum("bhts,bsr->bthr", p_new, new[..., :r]))
+             / jnp.moveaxis(den, 1, 2)[..., None])
     else:
-        S = past.shape[1]
-        s_old = jnp.einsum("bthe,bse->bhts", qf, _past(past, past.shape[2]).astype(f32))
+        S = past.shape[-1]
+        s_old = jnp.einsum("bthe,bes->bhts", qf, _past(past, past.shape[1]).astype(f32))
         s_old = jnp.where((jnp.arange(S)[None, :] < lengths[:, None])[:, None, None, :], s_old, -jnp.inf)
         p = jax.nn.softmax(jnp.concatenate([s_old, s_new], axis=-1), axis=-1)
-        o = (jnp.einsum("bhts,bsr->bthr", p[..., :S], _past(past, r).astype(f32))
+        o = (jnp.einsum("bhts,brs->bthr", p[..., :S], _past(past, r).astype(f32))
              + jnp.einsum("bhts,bsr->bthr", p[..., S:], new[..., :r]))
     return jnp.einsum("bthr,rhv->bthv", o, w_uv)
 
 
 class GatedMLA(nn.Module):
-    """`(x, segment_ids) -> y` over whole sequences; with `cache` ({'kv': [B, S, E]} latents
+    """`(x, segment_ids) -> y` over whole sequences; with `cache` ({'kv': [B, E, S]} latents
     of earlier tokens, valid below `lengths` [B]) it runs the absorbed path for the new
     tokens and returns `(y, entries [B, T, E])`: the caller writes them into its buffer."""
     cfg: ModelConfig
@@ -143,7 +156,8 @@ class GatedMLA(nn.Module):
         if cache is not None:
             entries = jnp.concatenate([c, k_r.astype(c.dtype)], axis=-1)
             kv_b = merged_kernel(cfg, self, "kv_b_proj").reshape(cfg.kv_lora_rank, H, dn + dv)
-            o = absorbed_attention(q, entries, cache["kv"], lengths, kv_b, dn, cfg.q_head_dim ** -0.5)
+            o = absorbed_attention(q, entries, cache["kv"], lengths, kv_b, dn, cfg.q_head_dim ** -0.5,
+                                   latent_attention.impl(cfg))
             return output(o.astype(compute_dtype(cfg))), entries
         kv = dense(cfg, H * (dn + dv), ("kv_lora", "heads_x_dim"), "kv_b_proj")(c).reshape(B, T, H, dn + dv)
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_r[:, :, None, :], (B, T, H, dr))], axis=-1)

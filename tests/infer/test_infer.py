@@ -33,6 +33,8 @@ VARIANTS = {
                             attn_res_block_size=None),
     "hybrid_toy": TOY,
 }
+# the cached latents read by the fused kernel (interpreted here; what TPU runs under 'auto')
+VARIANTS["mla_only_fused"] = VARIANTS["mla_only"].with_runtime(decode_attention="pallas")
 LENS = (20, 13)      # right-padded prompts of two lengths in one batch
 STEPS = 6            # teacher-forced decode steps
 MAX_LEN = 32
@@ -151,7 +153,7 @@ def test_cache_layout_matches_params_and_spec():
     for j, (kind, _) in enumerate(plan.group):
         leaf = cache.layers["groups"][f"sub_{j}"]
         if kind == "mla":
-            assert leaf["kv"].shape == (plan.n_groups, 2, MAX_LEN, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            assert leaf["kv"].shape == (plan.n_groups, 2, cfg.kv_lora_rank + cfg.qk_rope_head_dim, MAX_LEN)
         else:
             assert leaf["state"].shape == (plan.n_groups, 2, 4, 16, 16) and leaf["state"].dtype == jnp.float32
     grow = caches.cache_bytes(caches.init_cache(cfg, 1, 2 * MAX_LEN)) - caches.cache_bytes(caches.init_cache(cfg, 1, MAX_LEN))
@@ -162,16 +164,16 @@ def test_cache_layout_matches_params_and_spec():
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_cache_writes_land_at_each_rows_length(T):
-    """apply_updates against a NumPy write, on an unrolled [B, S, E] and a stacked
-    [G, B, S, E] latent buffer: row b's t-th new latent lands at lengths[b] + t for
+    """apply_updates against a NumPy write, on an unrolled [B, E, S] and a stacked
+    [G, B, E, S] latent buffer: row b's t-th new latent lands at lengths[b] + t for
     t < n_new[b]; a full row and a row with no new token keep what they hold (the one-token
     form writes per row in place, the longer one scatters)."""
     B, S, E, G = 4, 6, 5, 2
     rng = np.random.default_rng(T)
     lengths = np.array([0, 2, S, S - 1], np.int32)    # empty, partial, full, one slot left
     n_new = np.array([T, T, T, 0 if T == 1 else 1], np.int32)
-    old = {"layers_1": {"kv": rng.standard_normal((B, S, E)).astype(np.float32)},
-           "groups": {"sub_0": {"kv": rng.standard_normal((G, B, S, E)).astype(np.float32)}}}
+    old = {"layers_1": {"kv": rng.standard_normal((B, E, S)).astype(np.float32)},
+           "groups": {"sub_0": {"kv": rng.standard_normal((G, B, E, S)).astype(np.float32)}}}
     new = {"layers_1": {"kv": rng.standard_normal((B, T, E)).astype(np.float32)},
            "groups": {"sub_0": {"kv": rng.standard_normal((G, B, T, E)).astype(np.float32)}}}
     cache = caches.Cache(jax.tree.map(jnp.asarray, old), jnp.asarray(lengths))
@@ -182,7 +184,7 @@ def test_cache_writes_land_at_each_rows_length(T):
         for b in range(B):
             for t in range(n_new[b]):
                 if lengths[b] + t < S:
-                    want[..., b, lengths[b] + t, :] = src[..., b, t, :]
+                    want[..., b, :, lengths[b] + t] = src[..., b, t, :]
         np.testing.assert_array_equal(np.asarray(leaf(got.layers)), want, err_msg=key)
     np.testing.assert_array_equal(np.asarray(got.lengths), lengths + n_new)
 
