@@ -12,8 +12,9 @@ running max, denominator and weighted sum in VMEM (the online softmax of flash d
     feature-major as k3jax.infer.caches stores them (positions on the minor, lane axis);
   lengths [B] valid positions per row; the call reads positions [start, start + length)
   (the whole cache by default), so a caller splitting a cache over devices gives each its
-  own range: a multiple of 128 positions, starting at a multiple of it. Positions at or past a row's length are never read: their blocks repeat
-  the last live block's index, which the pipeline does not fetch again.
+  own range: a multiple of 128 positions, starting at a multiple of it. Positions at or past
+  a row's length are never read: their blocks repeat the last live block's index, which the
+  pipeline does not fetch again.
 Returns (o [B, R, dv] fp32, the softmax-weighted leading dv features, 0 for a row with no
 valid position in range; lse [B, R] fp32, log Σ exp(score), -inf for such a row), which
 a caller merges with other ranges or with the new tokens' own scores.
