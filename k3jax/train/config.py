@@ -54,7 +54,8 @@ on data.eval_path; 0 = at the end only; the run also evaluates before its first 
              pairs at 1.25 × the mean and drops the overflow; see `k3jax plan --ep-capacity`),
              ep_first_round (dropless 'ep': the first round's buffer as × the mean, exact
              overflow windows after it only when needed; 0 = one worst-case round),
-             ep_buffer_mib, attention_q_block, scan_layers,
+             ep_buffer_mib, attention_q_block, scan_layers, decode_attention ('auto' | 'xla' |
+             'pallas': inference's attention over the MLA cache; auto = the kernel on TPU),
              expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
              targets (globs; null = k3jax.lora.DEFAULT_TARGETS), optimizer ('adamw' |
@@ -77,8 +78,8 @@ import re
 
 import yaml
 
-from k3jax.config import (DTYPES, EP_EXCHANGES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES, MOE_DISPATCHES,
-                          OBJECTIVES, REMAT_POLICIES, ConfigError, RuntimeOptions)
+from k3jax.config import (DECODE_ATTENTIONS, DTYPES, EP_EXCHANGES, EXPERT_FORMATS, KDA_IMPLS, LORA_EXPERT_MODES,
+                          MOE_DISPATCHES, OBJECTIVES, REMAT_POLICIES, ConfigError, RuntimeOptions)
 
 SCHEDULES = ("cosine", "constant")
 RUNTIME_DEFAULTS = {f.name: getattr(RuntimeOptions(), f.name) for f in dataclasses.fields(RuntimeOptions)
@@ -260,7 +261,7 @@ SCHEMA = {
                 "kda_impl": _one_of(*KDA_IMPLS), "kda_chunk_size": _int(1), "moe_dispatch": _one_of(*MOE_DISPATCHES),
                 "ep_exchange": _one_of(*EP_EXCHANGES), "ep_capacity_factor": _float(0), "ep_first_round": _float(0),
                 "ep_buffer_mib": _float(0), "attention_q_block": _int(0), "scan_layers": _bool,
-                "expert_format": _one_of(*EXPERT_FORMATS)},
+                "expert_format": _one_of(*EXPERT_FORMATS), "decode_attention": _one_of(*DECODE_ATTENTIONS)},
     # k3jax.lora.resolve checks what needs the model (targets that match nothing, ...)
     "lora": {"rank": _int(0), "alpha": _optional(_float(above=0)), "expert_rank": _optional(_int(1)),
              "expert_mode": _one_of(*LORA_EXPERT_MODES), "targets": _optional(_list_of(_str())),
