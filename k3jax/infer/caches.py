@@ -94,8 +94,8 @@ def apply_updates(cache: Cache, updates: dict, n_new) -> Cache:
 
 
 def _write_one_token(old, new, lengths, n_new):
-    """A decode step's latents [.., B, 1, E] written at lengths[b] of [.., B, E, S], one in-place update per
-    row. Each row rewrites the aligned window of up to 128 positions around its slot (the
+    """A decode step's latents [.., B, 1, E] written at lengths[b] of [.., B, E, S], one
+    in-place update per row. Each row rewrites the aligned window of up to 128 positions around its slot (the
     new column selected in, the rest written back as read): a one-column update [.., E, 1]
     made XLA's TPU layout pass re-lay the whole cache out E-minor and back around the write
     (0.6 GB per MLA layer per chip, K3 at 32 sequences), while a [.., E, 128] window tiles like
