@@ -162,15 +162,16 @@ def test_cache_layout_matches_params_and_spec():
     assert caches.spec_bytes_per_token(k3) == 24 * 576 * 2
 
 
+@pytest.mark.parametrize("S", [6, 200])     # 200: the one-token form's 128-wide windows, the last one shifted
 @pytest.mark.parametrize("T", [1, 3])
-def test_cache_writes_land_at_each_rows_length(T):
+def test_cache_writes_land_at_each_rows_length(T, S):
     """apply_updates against a NumPy write, on an unrolled [B, E, S] and a stacked
     [G, B, E, S] latent buffer: row b's t-th new latent lands at lengths[b] + t for
     t < n_new[b]; a full row and a row with no new token keep what they hold (the one-token
     form writes per row in place, the longer one scatters)."""
-    B, S, E, G = 4, 6, 5, 2
+    B, E, G = 4, 5, 2
     rng = np.random.default_rng(T)
-    lengths = np.array([0, 2, S, S - 1], np.int32)    # empty, partial, full, one slot left
+    lengths = np.array([0, 2 if S < 128 else 150, S, S - 1], np.int32)   # empty, partial, full, one slot left
     n_new = np.array([T, T, T, 0 if T == 1 else 1], np.int32)
     old = {"layers_1": {"kv": rng.standard_normal((B, E, S)).astype(np.float32)},
            "groups": {"sub_0": {"kv": rng.standard_normal((G, B, E, S)).astype(np.float32)}}}
