@@ -46,6 +46,21 @@ def _top_k_indices(x, top_k: int):
     return jax.shard_map(lambda x: jax.lax.top_k(x, top_k)[1], in_specs=spec, out_specs=spec)(x)
 
 
+def gradients_together(x, *trees):
+    """x and the float leaves of `trees`, unchanged, behind one optimization barrier. Its
+    transpose is a barrier on their cotangents, so the gradient flowing back from x leaves
+    the layer only with the weights' gradients complete (summed over rounds and reduced
+    over the token shards). Left free, XLA:TPU sank K3's expert weight gradients and their
+    all-reduces to the end of each scanned group's backward, holding four layers' worth
+    alive at once (docs/performance.md)."""
+    leaves, treedef = jax.tree.flatten(trees)
+    floats = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.floating)]
+    x, tied = jax.lax.optimization_barrier((x, [leaves[i] for i in floats]))
+    for i, a in zip(floats, tied):
+        leaves[i] = a
+    return (x, *jax.tree.unflatten(treedef, leaves))
+
+
 class StableLatentMoE(nn.Module):
     """Router → latent down-projection → routed experts → RMSNorm → up-projection, plus
     the shared experts on the unprojected input. Without a latent (Kimi-Linear) the
@@ -79,6 +94,8 @@ class StableLatentMoE(nn.Module):
                   "w3": ((E, H, F), ("expert", "latent", "expert_mlp"))}
         weights = {r: self._expert_weight(r, *shapes[r]) for r in ROLES}
         adapters = {r: ad for r in ROLES if (ad := self._expert_adapter(r, *shapes[r])) is not None}
+        if dispatch_name(cfg, idx.size) == "ep":
+            z, weights, adapters = gradients_together(z, weights, adapters)
         y, dropped = routed_experts(cfg, functools.partial(glu_activation, cfg), z.astype(cdt), idx, w,
                                     weights, adapters)
         if dropped is not None:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from k3jax.config import EXPERT_ROLES, ConfigError, ModelConfig
@@ -108,6 +109,18 @@ def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters, expected_rows=No
     return mm(act(mm(rows, "w1"), mm(rows, "w3")), "w2")
 
 
+@jax.custom_vjp
+def unsort_rows(x, order):
+    """y with y[order[i]] = x[i] (`order` a permutation of x's rows), forward and backward
+    as gathers. `zeros.at[order].set(x)` was a scatter whose zero base XLA:TPU
+    materialises at 32 bits a value and shares between layers, alive all step."""
+    return x[jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))]
+
+
+unsort_rows.defvjp(lambda x, order: (unsort_rows(x, order), order),
+                   lambda order, ct: (ct[order], np.zeros(order.shape, jax.dtypes.float0)))
+
+
 def _num_experts(weights) -> int:
     return jax.tree.leaves(weights["w1"])[0].shape[0]
 
@@ -128,7 +141,7 @@ def _ragged_local(cfg: ModelConfig, act, hidden: tuple[str, ...], z, idx, w, wei
     rows = z[order // k]
     sizes = jnp.bincount(flat, length=_num_experts(weights)).astype(jnp.int32)
     out = _ffn(cfg, act, rows, sizes, weights, adapters)
-    unsorted = jnp.zeros_like(out).at[order].set(out)
+    unsorted = unsort_rows(out, order)
     y = jnp.einsum("nkd,nk->nd", unsorted.reshape(n, k, -1).astype(jnp.float32), w, precision=HIGHEST)
     return jax.lax.psum(y, hidden) if hidden else y
 
@@ -349,7 +362,7 @@ def _ep_exchange(cfg: ModelConfig, act, mode: str, hidden: tuple[str, ...], z, i
                 starts = first + first * jnp.arange(-(-overflow // first), dtype=jnp.int32)
                 return jax.lax.scan(lambda acc, a: (acc + window(a), None), acc, starts)[0]
             got = jax.checkpoint(lambda g: jax.lax.cond(most > first, windows, lambda g: g, g))(got)
-    unsorted = jnp.zeros_like(got).at[order].set(got).reshape(n, k, -1)
+    unsorted = unsort_rows(got, order).reshape(n, k, -1)
     y = jnp.einsum("nkd,nk->nd", unsorted.astype(jnp.float32), w, precision=HIGHEST)
     dropped = jnp.maximum(jnp.sum(recv_counts) - first - overflow, 0).reshape(1)   # 0 when dropless
     # with the expert hidden split over `hidden`, each shard holds a partial w2 product
@@ -421,7 +434,7 @@ def _ep_round(cfg: ModelConfig, act, mode: str, hidden, weights, adapters, p: _P
     order2 = jnp.argsort(recv_e, stable=True)
     sizes = jnp.bincount(recv_e, length=El).astype(jnp.int32)   # id El (padding) is not counted
     out = _ffn(cfg, act, recv[order2], sizes, weights, adapters, expected_rows=min(m, R))
-    out = jnp.zeros_like(out).at[order2].set(out)                # back to receive layout
+    out = unsort_rows(out, order2)                               # back to receive layout
 
     # the results back to their senders, at the sender's sorted-pair positions
     if mode == "padded":
