@@ -51,8 +51,9 @@ def gradients_together(x, *trees):
     transpose is a barrier on their cotangents, so the gradient flowing back from x leaves
     the layer only with the weights' gradients complete (summed over rounds and reduced
     over the token shards). Left free, XLA:TPU sank K3's expert weight gradients and their
-    all-reduces to the end of each scanned group's backward, holding four layers' worth
-    alive at once (docs/performance.md)."""
+    all-reduces to the end of each scanned group's backward, holding the group's layers'
+    receive rows and cotangents alive at once (9.2 GiB a chip at 256 x 4096 on v5p-1024:
+    docs/performance.md)."""
     leaves, treedef = jax.tree.flatten(trees)
     floats = [i for i, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.floating)]
     x, tied = jax.lax.optimization_barrier((x, [leaves[i] for i in floats]))
