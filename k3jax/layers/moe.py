@@ -86,7 +86,8 @@ class StableLatentMoE(nn.Module):
         # 'gather' (decode) takes the few tokens' latents whole on every device: left to
         # itself XLA gathered the down- and up-projections' weights split along low_rank
         # (51 MB a chip a layer for K3 on v5p-256-serve) instead of the [tokens, latent] rows
-        gather = cfg.use_latent_moe and dispatch_name(cfg, idx.size) == "gather"
+        dispatch = dispatch_name(cfg, idx.size)
+        gather = cfg.use_latent_moe and dispatch == "gather"
         if gather:
             z = constrain(z, (None, "low_rank"))
         cdt = compute_dtype(cfg)
@@ -95,7 +96,7 @@ class StableLatentMoE(nn.Module):
                   "w3": ((E, H, F), ("expert", "latent", "expert_mlp"))}
         weights = {r: self._expert_weight(r, *shapes[r]) for r in ROLES}
         adapters = {r: ad for r in ROLES if (ad := self._expert_adapter(r, *shapes[r])) is not None}
-        if dispatch_name(cfg, idx.size) == "ep":
+        if dispatch == "ep":
             z, weights, adapters = gradients_together(z, weights, adapters)
         y, dropped = routed_experts(cfg, functools.partial(glu_activation, cfg), z.astype(cdt), idx, w,
                                     weights, adapters)

@@ -111,9 +111,10 @@ def _ffn(cfg: ModelConfig, act, rows, sizes, weights, adapters, expected_rows=No
 
 @jax.custom_vjp
 def unsort_rows(x, order):
-    """y with y[order[i]] = x[i] (`order` a permutation of x's rows), forward and backward
-    as gathers. `zeros.at[order].set(x)` was a scatter whose zero base XLA:TPU
-    materialises at 32 bits a value and shares between layers, alive all step."""
+    """y with y[order[i]] = x[i] (`order` a permutation of x's rows): the rows move by
+    gathers both ways (only the [m] int inverse is scattered). `zeros.at[order].set(x)` was
+    a row scatter whose zero base XLA:TPU materialises at 32 bits a value and shares
+    between layers, alive all step."""
     return x[jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))]
 
 
