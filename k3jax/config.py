@@ -180,6 +180,10 @@ class RuntimeOptions:
     # every weight as the export stores it (routed experts MXFP4 of W + s·A·B, the rest
     # bf16), gradients straight through (k3jax.ops.qat, k3jax.train.qat)
     qat: bool = False
+    # training: the optimizer state kept in the host's pinned memory between updates, on the
+    # device only for the update (k3jax/train/offload.py): its HBM is free while the
+    # microbatches run
+    optimizer_offload: bool = False
 
     def __post_init__(self):
         _check(self.kda_impl in KDA_IMPLS, "kda_impl", self.kda_impl, f"expected one of {KDA_IMPLS}")
@@ -198,6 +202,8 @@ class RuntimeOptions:
         _check(self.expert_format in EXPERT_FORMATS, "expert_format", self.expert_format,
                f"expected one of {EXPERT_FORMATS}")
         _check(isinstance(self.qat, bool), "qat", self.qat, "expected true or false")
+        _check(isinstance(self.optimizer_offload, bool), "optimizer_offload", self.optimizer_offload,
+               "expected true or false")
         _check(self.lora is None or isinstance(self.lora, LoraSpec), "lora", self.lora,
                "expected a LoraSpec (resolve a train config's lora: section with k3jax.lora)")
         for key in ("dtype", "param_dtype"):

@@ -388,6 +388,47 @@ def choose_grad_accum(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, to
     return 1
 
 
+# Choosing settings, the planner keeps this share of HBM in hand: it is within 10 % of XLA
+# on the full-K3 rows it was checked against (docs/performance.md)
+CHOICE_MARGIN = 0.9
+EP_BUFFER_CHOICES = (512.0, 256.0)
+
+
+def choose_settings(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int,
+                    given: set[str] = frozenset()) -> tuple[ModelConfig, PlanOptions, dict]:
+    """For a train step, the settings the user did not give (`given`: 'grad_accum',
+    'ep_buffer_mib', 'optimizer_offload') that fit within CHOICE_MARGIN of HBM and should run
+    fastest: the fewest microbatches (each pays the ZeRO-3 gathers and the exchanges'
+    latency again), then at that count the largest exchange buffer (smaller ones split the
+    exchange into chunks that write and read their buffers again), then the optimizer state
+    on the device before in host memory (two PCIe crossings a step). (cfg, opt, {setting:
+    value chosen}); unchanged where nothing fits, HBM is unknown, or the mode is infer."""
+    hbm = opt.hbm_gib if opt.hbm_gib is not None else preset.hbm_gib
+    if opt.mode != "train" or not hbm:
+        return cfg, opt, {}
+    rt = cfg.runtime
+    accums = [opt.grad_accum] if "grad_accum" in given or not opt.batch else grad_accum_choices(opt.batch)
+    eps = [rt.ep_buffer_mib] + ([] if "ep_buffer_mib" in given else
+                                [m for m in EP_BUFFER_CHOICES if m < rt.ep_buffer_mib])
+    offloads = [rt.optimizer_offload] if "optimizer_offload" in given else [False, True]
+    for a in accums:
+        o = dataclasses.replace(opt, grad_accum=a or 1)
+        if o.batch and not places(preset, o, o.batch // o.grad_accum):
+            continue
+        for off in offloads:
+            for ep in eps:
+                c = cfg.with_runtime(ep_buffer_mib=ep, optimizer_offload=off)
+                try:
+                    total = plan(c, preset, o, total_params)["bytes_per_device"]["total"]
+                except ConfigError:
+                    continue
+                if total <= CHOICE_MARGIN * hbm * GIB:
+                    chosen = {k: v for k, v in (("grad_accum", o.grad_accum), ("ep_buffer_mib", ep),
+                                                ("optimizer_offload", off)) if k not in given}
+                    return c, o, chosen
+    return cfg, opt, {}
+
+
 def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: int) -> dict:
     """The per-device plan. In train mode the layout is the one `k3jax train` runs
     (`mesh.preset_for`) for one microbatch: an inference preset's `train_preset` (b300x8 ->
@@ -421,6 +462,13 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
         parts["reference"] = extra.get("reference_params", 0)
         parts["activations"] += extra.get("reference_logps", 0) + extra.get("rollout_logps", 0)
     total = sum(parts.values())
+    host = {}
+    if opt.mode == "train" and cfg.runtime.optimizer_offload:
+        # runtime.optimizer_offload: the state sits in host memory while the microbatches run
+        # and comes to the device for the update, when no activation is live
+        host["optimizer"] = parts["optimizer"]
+        parts["optimizer"] = 0
+        total = max(sum(parts.values()), parts["params"] + parts["grads"] + host["optimizer"])
     if "rollout_peak" in extra:
         # the rollout runs between updates: params, optimizer state and the reference stay,
         # the update's gradients and activations give way to the rollout's caches
@@ -440,7 +488,8 @@ def plan(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, total_params: i
         "mla_cache_values_per_token": n_mla * cfg.mla_cache_dim,
         "kda_state_values_per_sequence": n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim,
         "objective": opt.objective,
-        "bytes_per_device": {**parts, "total": total},
+        "bytes_per_device": {**parts, "total": total}, "host_bytes_per_device": host,
+        "optimizer_offload": bool(host),
         "detail": {"state": state, "activations": act, "caches": caches, **({"objective": extra} if extra else {})},
         "hbm_bytes": hbm, "fits": bool(hbm is not None and total <= hbm),
     }
@@ -456,6 +505,9 @@ def fit_suggestions(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, tota
             tries.append((f"--ep-buffer-mib {mib} (train: runtime.ep_buffer_mib={mib})",
                           cfg.with_runtime(ep_buffer_mib=float(mib)), opt))
     if opt.mode == "train":
+        if not cfg.runtime.optimizer_offload:
+            tries.append(("--optimizer-offload (train: runtime.optimizer_offload=true)",
+                          cfg.with_runtime(optimizer_offload=True), opt))
         if opt.remat != "full":
             tries.append(("--remat full (train: runtime.remat=full)", cfg, dataclasses.replace(opt, remat="full")))
         if opt.optimizer == "adamw" and not opt.lora_rank:

@@ -17,7 +17,7 @@ def run_json(capsys, *argv) -> dict:
 
 
 def test_k3_plan_agrees_with_spec(capsys):
-    out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--optimizer", "adamw")
+    out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--optimizer", "adamw", "--no-optimizer-offload")
     assert out["params"] == 2_779_484_478_208
     assert out["mla_cache_values_per_token"] == 24 * 576
     assert out["kda_state_values_per_sequence"] == 69 * 96 * 128 * 128
@@ -258,7 +258,7 @@ def test_a_preset_carries_the_runtime_it_was_planned_with(capsys):
 
 @pytest.mark.parametrize("argv", [
     LORA_B300 + ("--ep-buffer-mib", "1024"),
-    ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "128", "--optimizer", "adamw"),
+    ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "128", "--optimizer", "adamw", "--no-optimizer-offload"),
     ("configs/k3.yaml", "--mesh", "h200x16_train", "--mode", "train", "--expert-format", "mxfp4",
      "--lora-rank", "16", "--batch", "8", "--seq", "4096"),
     ("configs/k3.yaml", "--mesh", "v5p-512", "--batch", "256", "--optimizer", "adamw"),
@@ -270,11 +270,11 @@ def test_a_plan_that_does_not_fit_names_what_would(capsys, argv):
     out = run_json(capsys, *argv)
     assert not out["fits"]
     for hint in out["would_fit_with"]:
-        flags = [t for pair in re.findall(r"(--[a-z-]+) ([^\s(;]+)", hint) for t in pair]
+        flags = [t for pair in re.findall(r"(--[a-z-]+)(?: ([^\s(;-][^\s(;]*))?", hint) for t in pair if t]
         assert flags, hint
         assert run_json(capsys, *argv, *flags)["fits"], hint
     if not out["would_fit_with"]:
-        everything = ("--ep-buffer-mib", "64", "--optimizer", "muon", "--remat", "full")
+        everything = ("--ep-buffer-mib", "64", "--optimizer", "muon", "--remat", "full", "--optimizer-offload")
         assert not run_json(capsys, *argv, *everything)["fits"]
 
 
@@ -282,20 +282,23 @@ def test_a_batch_too_large_for_one_pass_runs_as_the_fewest_microbatches_that_fit
     """K3 LoRA over MXFP4 at 2048 x 4096 on v5p-1024 (16K tokens a chip) does not fit as one
     pass; the plan runs it as microbatches (data.grad_accum), the fewest that fit, each
     planned as the one-pass batch of its size plus the accumulation: an fp32 running sum
-    and one microbatch's bf16 gradient. Full fine-tuning fits at no microbatch count (its
-    fp32 sum alone is 20 GiB a chip): the plan says so and keeps one pass."""
+    and one microbatch's bf16 gradient."""
     lora = ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "2048", "--expert-format", "mxfp4",
-            "--lora-rank", "16")
+            "--lora-rank", "16", "--ep-buffer-mib", "256", "--no-optimizer-offload")
     out = run_json(capsys, *lora)
     a, micro = out["grad_accum"], out["microbatch"]
     assert out["fits"] and a > 1 and a * micro == 2048 and out["batch"] == 2048
+    assert out["chosen"] == {"grad_accum": a}
+    from k3jax.plan import CHOICE_MARGIN
+    assert out["bytes_per_device"]["total"] <= CHOICE_MARGIN * out["hbm_bytes"]
 
-    def fits(argv, accum):
+    def plan_of(argv, accum):
         if main(["plan", *argv, "--grad-accum", str(accum), "--json"]) != 0:
             assert "do not split" in capsys.readouterr().err      # the mesh cannot place it
             return None
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fits"]
-    assert not any(fits(lora, d) for d in range(1, a) if 2048 % d == 0)
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    fewer = [plan_of(lora, d) for d in range(1, a) if 2048 % d == 0]
+    assert all(p["bytes_per_device"]["total"] > CHOICE_MARGIN * p["hbm_bytes"] for p in fewer if p)
     one = run_json(capsys, *lora[:3], "--batch", str(micro), *lora[5:], "--grad-accum", "1")
     assert out["mesh"] == one["mesh"] and out["detail"]["activations"] == one["detail"]["activations"]
     state, one_state = out["detail"]["state"], one["detail"]["state"]
@@ -304,11 +307,37 @@ def test_a_batch_too_large_for_one_pass_runs_as_the_fewest_microbatches_that_fit
     assert out["bytes_per_device"]["total"] - one["bytes_per_device"]["total"] == state["accumulation"]
     assert run_json(capsys, *lora, "--grad-accum", str(a))["bytes_per_device"] == out["bytes_per_device"]
 
+
+def test_full_fine_tuning_at_16k_tokens_a_chip_keeps_the_optimizer_state_in_host_memory(capsys):
+    """Full K3 fine-tuning at 2048 x 4096 on v5p-1024 fits no microbatch count with the
+    optimizer state on the device (the fp32 gradient sum alone is 20 GiB a chip); the plan
+    chooses runtime.optimizer_offload, which moves exactly that state to the host, and of
+    the settings tried before it (fewer microbatches, the state on the device, a larger
+    exchange buffer) none fits within the choosing margin."""
+    from k3jax.plan import CHOICE_MARGIN, EP_BUFFER_CHOICES
     full = ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "2048")
     out = run_json(capsys, *full)
-    assert not out["fits"] and out["grad_accum"] == 1
-    assert not any(fits(full, d) for d in (1, 2, 4, 8, 16, 32, 64))
+    a, chosen = out["grad_accum"], out["chosen"]
+    assert out["fits"] and chosen["optimizer_offload"] is True and out["optimizer_offload"]
+    assert chosen == {"grad_accum": a, "ep_buffer_mib": out["ep_buffer_mib"], "optimizer_offload": True}
+    on_device = run_json(capsys, *full, "--grad-accum", str(a), "--ep-buffer-mib", str(out["ep_buffer_mib"]),
+                         "--no-optimizer-offload")
+    assert out["host_bytes_per_device"] == {"optimizer": on_device["bytes_per_device"]["optimizer"]}
+    assert out["bytes_per_device"]["optimizer"] == 0
+    assert out["bytes_per_device"]["total"] <= CHOICE_MARGIN * out["hbm_bytes"]
 
+    def total(accum, mib, offload):
+        flags = ["--grad-accum", str(accum), "--ep-buffer-mib", str(mib),
+                 "--optimizer-offload" if offload else "--no-optimizer-offload"]
+        if main(["plan", *full, *flags, "--json"]) != 0:
+            assert "do not split" in capsys.readouterr().err
+            return math.inf
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bytes_per_device"]["total"]
+    limit = CHOICE_MARGIN * out["hbm_bytes"]
+    mibs = (1024, *EP_BUFFER_CHOICES)
+    assert all(total(d, mib, off) > limit for d in (1, 2, 4, 8) if d < a for mib in mibs for off in (False, True))
+    assert all(total(a, mib, False) > limit for mib in mibs)
+    assert all(total(a, mib, True) > limit for mib in mibs if mib > out["ep_buffer_mib"])
 
 
 def test_objectives_add_the_reference_and_the_rollout_caches(capsys):

@@ -152,7 +152,9 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
         spec = objectives.batch_spec(cfg, tc)
         rows = loop.accum_batch_shardings((mesh, rules), spec)
         opt_sh = loop.optimizer_shardings(tx, params, groups)
-        state_sh, step = loop.sharded_train_step((mesh, rules), params, tx, groups, train_step, rows, opt_sh)
+        state_sh, step = loop.sharded_train_step((mesh, rules), params, tx, groups, train_step, rows, opt_sh,
+                                                 offload=cfg.runtime.optimizer_offload)
+        opt_sh = state_sh.opt_state
         opt_state = jax.tree.map(_sds, jax.eval_shape(lambda p: tstep.opt_init(tx, p, groups), params), opt_sh)
     state = tstep.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=state_sh.step),
                              params=params, opt_state=opt_state)

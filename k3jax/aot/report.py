@@ -29,7 +29,10 @@ from k3jax.aot.programs import Program, default_batch, prefill_tokens, serve_pro
 MEMORY_TERMS = ("arguments", "outputs", "temporaries", "generated_code", "aliases")
 _XLA_NAMES = {"arguments": "argument_size_in_bytes", "outputs": "output_size_in_bytes",
               "temporaries": "temp_size_in_bytes", "generated_code": "generated_code_size_in_bytes",
-              "aliases": "alias_size_in_bytes"}
+              "aliases": "alias_size_in_bytes",
+              # what sits in the host's memory (runtime.optimizer_offload): not in `total`
+              "host_arguments": "host_argument_size_in_bytes", "host_outputs": "host_output_size_in_bytes",
+              "host_temporaries": "host_temp_size_in_bytes", "host_aliases": "host_alias_size_in_bytes"}
 OVERLAP = ("estimated = max(compute, memory) + collective (compute overlaps HBM traffic, collectives "
            "overlap nothing); overlapped = max(compute, memory, collective)")
 

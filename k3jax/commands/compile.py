@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from k3jax.commands.plan import add_grad_accum, add_objective_flags, add_trained_flags, plan_options, runtime_values
+from k3jax.commands.plan import (add_grad_accum, add_memory_flags, add_objective_flags, add_trained_flags, choose,
+                                 plan_options, runtime_values, setting_text)
 from k3jax.commands import add_expert_format, number
 
 
@@ -48,8 +49,7 @@ def register(sub):
     p.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     add_expert_format(p, "planned")
     p.add_argument("--ep-capacity", type=float, default=0.0, help="ep_capacity_factor (0: dropless)")
-    p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
-                   help="RuntimeOptions.ep_buffer_mib ('ep' exchanges run in chunks above it)")
+    add_memory_flags(p)
     add_trained_flags(p)
     add_objective_flags(p)
     p.add_argument("--prefill-chunk", type=number(int, 1), default=2048, help="prefill: tokens per device per chunk")
@@ -82,46 +82,45 @@ def _chip(args):
     return dataclasses.replace(chip, **over) if over else chip
 
 
-def _options(args, k3, devices: int):
-    """The plan options and mesh preset of the step; training runs the layout `k3jax train
-    --mesh` picks (a train or context preset) for the planner's microbatches where none
-    are given. (options, preset, total params)"""
+def _options(args, k3, devices: int, log):
+    """The plan options, mesh preset and train overrides of the step: the settings the
+    command line leaves open chosen as `k3jax plan` chooses them (microbatches, exchange
+    buffer, optimizer offload), the layout `k3jax train --mesh` picks for the microbatch
+    (a train or context preset), the preset's runtime settings where nothing else gives
+    one. (options, preset, total params, k3 with that runtime, overrides, {'runtime_from_preset':
+    the preset's settings taken, 'chosen': the planner's choices})"""
     import dataclasses
 
-    from k3jax.mesh import load_preset, preset_for
+    from k3jax.mesh import describe_runtime, load_preset, preset_for
     from k3jax.param_count import count_params
-    from k3jax.plan import choose_grad_accum
-    opt = plan_options(args, mode="train" if args.mode == "train" else "infer", devices=devices,
-                       prefill_chunk=args.prefill_chunk)
-    total_params = count_params(k3.text, k3.layout)["total"]
-    if args.mode == "train":
-        opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text, load_preset(args.mesh), opt,
-                                                                    total_params))
-    micro = opt.batch // opt.grad_accum if opt.batch and opt.grad_accum else opt.batch
-    preset = (preset_for(args.mesh, "train", micro, devices) if args.mode == "train"
-              else load_preset(args.mesh))
-    return opt, preset, total_params
-
-
-def _overrides(args, k3, preset, log):
-    """train's overrides from the command line, --ep-buffer-mib among them, and the
-    preset's runtime settings where neither gives one, as train takes them.
-    (k3 with the exchange buffer it runs, overrides, the preset's settings taken)"""
-    import dataclasses
-
-    from k3jax.mesh import describe_runtime, preset_runtime
     from k3jax.train.config import parse_overrides, resolve
     overrides = parse_overrides(args.overrides or [])
     resolve(k3.train, overrides)   # train's own schema: an unknown key or a bad value is one line
-    if args.ep_buffer_mib is not None:
-        overrides.setdefault("runtime", {})["ep_buffer_mib"] = args.ep_buffer_mib
-    from_preset = preset_runtime(preset, {**(k3.train or {}).get("runtime", {}), **overrides.get("runtime", {})})
+    opt = plan_options(args, mode="train" if args.mode == "train" else "infer", devices=devices,
+                       prefill_chunk=args.prefill_chunk)
+    total_params = count_params(k3.text, k3.layout)["total"]
+    # settings the config's train section or an override gives count as given
+    from_train = {**(k3.train or {}).get("runtime", {}), **overrides.get("runtime", {})}
+    for key in ("ep_buffer_mib", "optimizer_offload"):
+        if getattr(args, key) is None and key in from_train:
+            setattr(args, key, from_train[key])
+    text, opt, chosen, from_preset = choose(args, k3.text, args.mesh, opt, total_params, from_train)
+    if args.mode == "train" and opt.grad_accum is None:
+        opt = dataclasses.replace(opt, grad_accum=1)
+    runtime = overrides.setdefault("runtime", {})
+    runtime.update(runtime_values(from_preset))
+    runtime.update({k: getattr(text.runtime, k) for k in ("ep_buffer_mib", "optimizer_offload")
+                    if args.mode == "train" or getattr(args, k) is not None})
+    if chosen:
+        log("the planner chose: " + ", ".join(setting_text(k, v) for k, v in chosen.items()))
+    k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=text.runtime.ep_buffer_mib,
+                                                           optimizer_offload=text.runtime.optimizer_offload))
+    micro = opt.batch // opt.grad_accum if opt.batch and opt.grad_accum else opt.batch
+    preset = (preset_for(args.mesh, "train", micro, devices) if args.mode == "train"
+              else load_preset(args.mesh))
     if from_preset:
-        overrides.setdefault("runtime", {}).update(runtime_values(from_preset))
         log(describe_runtime(preset.name, from_preset))
-    if "ep_buffer_mib" in overrides.get("runtime", {}):
-        k3 = dataclasses.replace(k3, text=k3.text.with_runtime(ep_buffer_mib=overrides["runtime"]["ep_buffer_mib"]))
-    return k3, overrides, from_preset
+    return opt, preset, total_params, k3, overrides, {"runtime_from_preset": from_preset, "chosen": chosen}
 
 
 def run(args) -> int:
@@ -142,15 +141,14 @@ def run(args) -> int:
     k3 = load_k3(args.config)
     devices = topology_devices(args.topology)      # its form and libtpu first: the fix they name
     chip = _chip(args)
-    opt, preset, total_params = _options(args, k3, len(devices))
-    k3, overrides, from_preset = _overrides(args, k3, preset, log)
+    opt, preset, total_params, k3, overrides, taken = _options(args, k3, len(devices), log)
     # before the compile: the planner's checks (the batch's placement on the mesh) fail fast
     pl = plan(k3.text, preset, opt, total_params)
     log(f"{args.config} {args.mode} on {preset.name} over {args.topology} ({len(devices)} {chip.name} chips)"
-        + (f", {opt.grad_accum} microbatches of {pl['microbatch']}" + (" (the planner's choice)"
-           if args.grad_accum is None else "") if opt.mode == "train" and opt.grad_accum > 1 else ""))
+        + (f", {opt.grad_accum} microbatches of {pl['microbatch']}" if opt.mode == "train" and opt.grad_accum > 1
+           else ""))
     head = {"config": args.config, "mesh": preset.name, "topology": args.topology, "devices": len(devices),
-            "mode": args.mode, "chip": chip.name, "runtime_from_preset": from_preset}
+            "mode": args.mode, "chip": chip.name, **taken}
     hbm = report.hbm_limit(preset, opt, chip)
     try:
         res = report.compile_figures(k3, args.mesh, devices, opt, args.mode, overrides, args.depths, log)

@@ -1,6 +1,7 @@
 """`k3jax plan CONFIG --mesh MESH`: per-device memory on a slice, and whether it fits."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -41,6 +42,56 @@ def add_grad_accum(p):
                         "default: the fewest whose plan fits, printed)")
 
 
+def add_memory_flags(p):
+    """The runtime settings the planner chooses for a train step where they are not given
+    (plan and compile)."""
+    p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
+                   help="runtime.ep_buffer_mib ('ep' exchanges run in chunks above it; train default: the "
+                        "largest of 1024, 512, 256 that fits, printed)")
+    p.add_argument("--optimizer-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="runtime.optimizer_offload: the optimizer state in host memory between updates "
+                        "(train default: only where nothing fits without it, printed)")
+
+
+def given_runtime(args) -> dict:
+    """The runtime settings the command line gave (the others are the planner's to choose)."""
+    return {k: v for k, v in (("ep_buffer_mib", args.ep_buffer_mib),
+                              ("optimizer_offload", args.optimizer_offload)) if v is not None}
+
+
+def choose(args, text, preset_name: str, opt, total_params: int, also_given: dict | None = None):
+    """(model config, plan options, {setting: value} chosen, the preset's runtime settings
+    taken): a train step's grad_accum, ep_buffer_mib and optimizer_offload where the command
+    line gave none (`plan.choose_settings`), under the runtime settings of the layout `k3jax
+    train` runs that microbatch on (`mesh.preset_for`), which can differ from the full
+    batch's. `also_given`: runtime keys set elsewhere (a config's train section, overrides),
+    which the preset does not override either."""
+    from k3jax.mesh import load_preset, preset_for, preset_runtime
+    from k3jax.plan import choose_settings
+    given = given_runtime(args)
+    given_names = set(given) | ({"grad_accum"} if opt.grad_accum is not None else set())
+    chosen, micro, opt_chosen = {}, opt.batch, opt
+    for _ in range(2):   # the chosen microbatch can change the layout, and so its settings
+        layout = preset_for(preset_name, opt.mode, micro, opt.devices)
+        from_preset = preset_runtime(layout, {**(also_given or {}), **given})
+        cfg = text.with_runtime(**runtime_values(from_preset), **given)
+        if opt.mode != "train":
+            break
+        cfg, o, chosen = choose_settings(cfg, load_preset(preset_name), opt, total_params, given_names)
+        opt_chosen = o
+        if o.batch and o.grad_accum and o.batch // o.grad_accum == micro:
+            break
+        micro = o.batch // o.grad_accum if o.batch and o.grad_accum else micro
+    return cfg, (opt_chosen if opt.mode == "train" else opt), chosen, from_preset
+
+
+def setting_text(key: str, value) -> str:
+    """A chosen setting as the train key that gives it."""
+    if key == "grad_accum":
+        return f"data.grad_accum={value}"
+    return f"runtime.{key}={str(value).lower() if isinstance(value, bool) else f'{value:g}'}"
+
+
 def register(sub):
     p = sub.add_parser("plan", help="per-device memory for params, optimizer, activations, caches")
     p.add_argument("config", help="preset name (k3, kimi_linear_48b, toy), YAML preset, config.json or a model "
@@ -62,8 +113,7 @@ def register(sub):
                    help="ep_capacity_factor of the run (0: dropless, buffers sized for the worst case)")
     add_trained_flags(p)
     add_objective_flags(p)
-    p.add_argument("--ep-buffer-mib", type=number(float, 0), default=None,
-                   help="RuntimeOptions.ep_buffer_mib of the run ('ep' exchanges run in chunks above it)")
+    add_memory_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.set_defaults(fn=run)
 
@@ -96,21 +146,18 @@ def plan_options(args, **given):
 
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
-    from k3jax.mesh import load_preset, preset_for, preset_runtime
-    from k3jax.plan import choose_grad_accum, fit_suggestions, plan
+    from k3jax.plan import fit_suggestions, plan
 
     k3 = load_any_config(args.config)
-    preset = load_preset(args.mesh)
     opt = plan_options(args, mode=args.mode, devices=args.devices)
-    given = {"ep_buffer_mib": args.ep_buffer_mib} if args.ep_buffer_mib is not None else {}
-    chosen = args.grad_accum is None and args.mode == "train"
-    opt = dataclasses.replace(opt, grad_accum=choose_grad_accum(k3.text.with_runtime(**given), preset, opt,
-                                                                _total_params(args.config)))
-    micro = opt.batch // opt.grad_accum if opt.batch else None
-    from_preset = preset_runtime(preset_for(args.mesh, args.mode, micro, args.devices), given)
-    text = k3.text.with_runtime(**runtime_values(from_preset), **given)
+    from k3jax.mesh import load_preset
+    text, opt, chosen, from_preset = choose(args, k3.text, args.mesh, opt, _total_params(args.config))
+    if opt.mode == "train" and opt.grad_accum is None:
+        opt = dataclasses.replace(opt, grad_accum=1)
+    preset = load_preset(args.mesh)
     out = plan(text, preset, opt, _total_params(args.config))
     out["runtime_from_preset"] = from_preset
+    out["chosen"] = chosen
     out["would_fit_with"] = ([] if out["fits"] or out["hbm_bytes"] is None
                              else fit_suggestions(text, preset, opt, _total_params(args.config)))
     if args.json:
@@ -120,22 +167,29 @@ def run(args) -> int:
     return 0
 
 
-def _print_plan(args, out: dict, chosen: bool) -> None:
-    """`plan`'s report as lines; `chosen`: the planner picked the microbatch count."""
+def _print_plan(args, out: dict, chosen: dict) -> None:
+    """`plan`'s report as lines; `chosen`: the settings the planner picked."""
     from k3jax.mesh import describe_runtime
+    from k3jax.plan import CHOICE_MARGIN
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
     print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
           f"experts {out['expert_format']}" + (f", LoRA rank {out['lora_rank']}" if out["lora_rank"] else "")
           + (f", objective {out['objective']}" if out["objective"] != "sft" else ""))
-    if out["grad_accum"] > 1 or chosen:
+    if out["grad_accum"] > 1 or "grad_accum" in chosen:
         print(f"  as {out['grad_accum']} microbatch{'es' if out['grad_accum'] > 1 else ''} of {out['microbatch']} "
               f"(data.batch_size={out['microbatch']}, data.grad_accum={out['grad_accum']}"
-              + ("; chosen: the fewest that fit)" if chosen else ")"))
+              + ("; chosen: the fewest that fit)" if "grad_accum" in chosen else ")"))
+    picked = [setting_text(k, v) for k, v in chosen.items() if k != "grad_accum"]
+    if picked:
+        print(f"  chosen: {', '.join(picked)} (the fastest that fits within {CHOICE_MARGIN:.0%} of HBM; "
+              f"a flag sets it)")
     print(f"params {out['params']:,d}; MLA cache {out['mla_cache_values_per_token']:,d} values/token; "
           f"KDA state {out['kda_state_values_per_sequence']:,d} values/sequence")
     for k, v in out["bytes_per_device"].items():
         print(f"  {k:<12}{_gib(v)}")
+    for k, v in out["host_bytes_per_device"].items():
+        print(f"  {k:<12}{_gib(v)} in host memory (runtime.optimizer_offload)")
     for group, d in out["detail"].items():
         print(f"  {group}: " + ", ".join(f"{k} {v / (1 << 30):.2f}" for k, v in d.items()) + " GiB")
     if "rollout_total" in out["detail"].get("objective", {}):

@@ -114,7 +114,7 @@ def _assemble(plan: LayerPlan, tree: dict, layers: dict[int, dict]) -> dict:
 # runtime options that shape how the model runs, never its params: one trace serves them all
 # (the planner varies the exchange buffer and remat when it looks for a setting that fits)
 _NOT_SHAPING = ("kda_impl", "kda_chunk_size", "ep_exchange", "ep_capacity_factor", "ep_first_round", "ep_buffer_mib",
-                "attention_q_block", "decode_attention", "remat", "qat")
+                "attention_q_block", "decode_attention", "remat", "qat", "optimizer_offload")
 
 
 def _abstract_variables(cfg: ModelConfig):

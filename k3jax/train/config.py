@@ -56,7 +56,8 @@ on data.eval_path; 0 = at the end only; the run also evaluates before its first 
              overflow windows after it only when needed; 0 = one worst-case round),
              ep_buffer_mib, attention_q_block, scan_layers, decode_attention ('auto' | 'xla' |
              'pallas': inference's attention over the MLA cache; auto = the kernel on TPU),
-             expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen)
+             expert_format ('bf16' | 'mxfp4': routed experts kept as the checkpoint's MXFP4, frozen),
+             optimizer_offload (the optimizer state in host memory between updates)
   lora:      rank (0 = off), alpha, expert_rank, expert_mode ('per_expert' | 'shared_a'),
              targets (globs; null = k3jax.lora.DEFAULT_TARGETS), optimizer ('adamw' |
              'muon'), lr (see k3jax/lora.py)
@@ -261,7 +262,8 @@ SCHEMA = {
                 "kda_impl": _one_of(*KDA_IMPLS), "kda_chunk_size": _int(1), "moe_dispatch": _one_of(*MOE_DISPATCHES),
                 "ep_exchange": _one_of(*EP_EXCHANGES), "ep_capacity_factor": _float(0), "ep_first_round": _float(0),
                 "ep_buffer_mib": _float(0), "attention_q_block": _int(0), "scan_layers": _bool,
-                "expert_format": _one_of(*EXPERT_FORMATS), "decode_attention": _one_of(*DECODE_ATTENTIONS)},
+                "expert_format": _one_of(*EXPERT_FORMATS), "decode_attention": _one_of(*DECODE_ATTENTIONS),
+                "optimizer_offload": _bool},
     # k3jax.lora.resolve checks what needs the model (targets that match nothing, ...)
     "lora": {"rank": _int(0), "alpha": _optional(_float(above=0)), "expert_rank": _optional(_int(1)),
              "expert_mode": _one_of(*LORA_EXPERT_MODES), "targets": _optional(_list_of(_str())),

@@ -108,8 +108,10 @@ def optimizer_shardings(tx, abstract_params, groups):
     return jax.jit(first_update).lower(abstract_params).compile().output_shardings
 
 
-def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_sharding, opt_shardings=None):
+def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_sharding, opt_shardings=None,
+                       offload: bool = False):
     """(TrainState of shardings, the step jitted with that state's shardings pinned in and out).
+    `offload` (runtime.optimizer_offload): the optimizer state's in the host's pinned memory.
 
     Pinned so the step compiles once: left to propagation, the first call sees the state as
     created and later calls see what the step returned, which differ (the optimizer state
@@ -121,6 +123,9 @@ def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_shar
     replicated = NamedSharding(mesh[0], P())
     param_sh = jax.tree.map(lambda x: x.sharding, abstract_params)
     opt_sh = optimizer_shardings(tx, abstract_params, groups) if opt_shardings is None else opt_shardings
+    if offload:
+        from k3jax.train.offload import host_shardings
+        opt_sh = host_shardings(opt_sh)
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
     def sharded_train_step(state, batch):
@@ -130,11 +135,11 @@ def sharded_train_step(mesh, abstract_params, tx, groups, train_step, batch_shar
     return state_sh, step
 
 
-def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding):
+def _sharded_state_and_step(mesh, params, tx, groups, train_step, batch_sharding, offload: bool = False):
     """(TrainState born sharded, the step jitted with its shardings: `sharded_train_step`)."""
     from k3jax.train.step import TrainState, opt_init
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    state_sh, step = sharded_train_step(mesh, abstract, tx, groups, train_step, batch_sharding)
+    state_sh, step = sharded_train_step(mesh, abstract, tx, groups, train_step, batch_sharding, offload=offload)
     state = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=opt_init(tx, p, groups)),
                     out_shardings=state_sh)(params)
     return state, step
@@ -336,7 +341,11 @@ def _build_state(ctx: RunContext) -> tuple:
     train_step = tstep.make_train_step(cfg, tc, tx, groups, **({} if vision is None else {
         "vision": vision, "media_pad_id": ctx.tok.token_id("<|media_pad|>")}))
     if mesh is None:
-        return tstep.init_state(params, tx, groups), session.Stepper(train_step, lambda b: b, groups)
+        state = tstep.init_state(params, tx, groups)
+        if cfg.runtime.optimizer_offload:   # where the step returns it, so it compiles once
+            from k3jax.train.offload import to_host
+            state = state.replace(opt_state=to_host(state.opt_state))
+        return state, session.Stepper(train_step, lambda b: b, groups)
     spec = objectives.batch_spec(cfg, tc)
     rows = accum_batch_shardings(mesh, spec)  # {key: sharding of its [accum, B, T] or [accum, B]}
     if ctx.batches.local:   # a streamed loader gives each process the rows of its own devices
@@ -346,7 +355,8 @@ def _build_state(ctx: RunContext) -> tuple:
         # hands over only the slices its own devices hold
         place_batch = lambda b: {k: jax.make_array_from_callback(v.shape, rows[k], lambda i, v=v: v[i])  # noqa: E731
                                  for k, v in b.items()}
-    state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows)
+    state, train_step = _sharded_state_and_step(mesh, params, tx, groups, train_step, rows,
+                                                offload=cfg.runtime.optimizer_offload)
     del params
     from k3jax.ops.moe_dispatch import describe_dispatch   # run() holds the mesh as the context mesh
     log(f"mesh {dict(mesh[0].shape)} over {jax.process_count()} process(es); "

@@ -141,7 +141,12 @@ def _orthogonalize_pack(xs, deals, flips, rows, cols, ns: Callable, chunks):
         b = sum(counts)
         n = -(-b // group)
         y = jnp.concatenate([xl.reshape(c, i, o) for xl, c in zip(blocks, counts)])
-        y = jnp.pad(y, ((0, n * group - b), (0, 0), (0, 0)))
+        # padded with copies of real blocks (their results are dropped): zero padding that fills
+        # a whole device's slice becomes a constant operand of the exchange, which XLA:CPU's
+        # all-to-all decomposition turns into HLO its verifier rejects
+        extra = n * group - b
+        if extra:
+            y = jnp.concatenate([y, *[y] * (extra // b), y[:extra % b]])
         # minor axis first: the concatenated slices then come back in the dim's order
         for a in reversed(rows):
             y = jax.lax.all_to_all(y, a, 0, 1, tiled=True)

@@ -5,7 +5,8 @@ one microbatch alive at a time), sums token-weighted losses and gradients, divid
 global count of loss tokens (so accumulation is exactly a bigger batch), casts gradients to
 fp32 (optimizer state is fp32 even with bf16 params), applies the optimizer, and finally
 replaces every router bias with the Quantile Balancing solution from this step's router
-scores (a frozen router keeps its bias).
+scores (a frozen router keeps its bias). With `runtime.optimizer_offload` the optimizer
+state lives in host memory and comes to the device only for the update (train/offload.py).
 
 The objective (`tc['objective']`) chooses the per-microbatch loss and nothing else: 'sft'
 sums token cross-entropy over the loss tokens; 'dpo' (k3jax/train/dpo.py) sums the pair
@@ -43,7 +44,7 @@ from k3jax.ops.moe_dispatch import drops_pairs
 from k3jax.layers.vision import check_grids, check_pixels, rows_per_image
 from k3jax.errors import InputError
 from k3jax.model import K3Model, variables_of
-from k3jax.train import balancing, qat
+from k3jax.train import balancing, offload, qat
 from k3jax.train.muon import path_str, trained_mask
 from k3jax.model.multimodal import check_media_rows
 from k3jax.model.multimodal import VISION_KEY, image_inputs, split_params
@@ -210,7 +211,12 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss = loss_sum / denom
 
-        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        opt_in = state.opt_state
+        if cfg.runtime.optimizer_offload:    # in host memory until the microbatches are done
+            opt_in = offload.fetch_after(opt_in, count)
+        updates, opt_state = tx.update(grads, opt_in, trained)
+        if cfg.runtime.optimizer_offload:
+            opt_state = offload.to_host(opt_state)
         new_params = merge_trained(optax.apply_updates(trained, updates), fixed)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count,
                    **{name: v / denom for name, v in sums.items()}}
