@@ -46,7 +46,11 @@ TIGHT = 0.9      # "yes (tight)": the plan fills at least this share of HBM
 
 
 def _json(*argv) -> dict:
+    """`k3jax ARGV --json`'s object; plans keep the optimizer state on the device (the tables
+    say what fits there; `k3jax plan` itself moves it to the host where nothing else fits)."""
     from k3jax import cli
+    if argv[0] == "plan" and not any("optimizer-offload" in a for a in argv):
+        argv = (*argv, "--no-optimizer-offload")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = cli.main(list(argv) + ["--json"])
@@ -241,6 +245,8 @@ def grpo_table() -> str:
         b, o = p["bytes_per_device"], p["detail"]["objective"]
         update = sum(v for k, v in b.items() if k != "total")
         ref = f" (reference copy {_g(b['reference'])})" if b["reference"] else ""
+        if p["ep_buffer_mib"] != 1024:     # the planner's choice: the default did not fit with margin
+            ref += f", `--ep-buffer-mib {p['ep_buffer_mib']:g}` chosen"
         lines.append(f"| {label or '`' + ' '.join(extra) + '`'} | {_g(update)} GiB{ref} | "
                      f"{_g(o['rollout_total'])} GiB ({_g(o['rollout_caches'])}) | {_fits(p)} |")
     return "\n".join(lines)

@@ -223,7 +223,8 @@ def make_train_step(cfg: ModelConfig, tc: dict, tx: optax.GradientTransformation
         if drops_pairs(cfg):
             # (token, expert) pairs the 'ep' receive capacity dropped, over all routed pairs
             pairs = batch["tokens"].size * k * moe_layers
-            metrics["ep_dropped"] = dropped.astype(jnp.float32) / max(pairs, 1)
+            # a Python float: K3's pairs at 2048 x 4096 overflow an int32 argument
+            metrics["ep_dropped"] = dropped.astype(jnp.float32) / float(max(pairs, 1))
         if method:
             n_valid = jnp.sum(batch["segment_ids"] > 0)
             if method == "exact":
