@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.cli import main
 from k3jax.config import load
-from k3jax.plan import PlanOptions, plan
+from k3jax.plan import GIB, PlanOptions, plan
 from k3jax.mesh import load_preset
 
 
@@ -375,3 +375,23 @@ def test_objectives_add_the_reference_and_the_rollout_caches(capsys):
     assert out["objective"] == "grpo" and out["detail"]["objective"]["rollout_caches"] > 0
     assert main(["plan", "k3", "--mesh", "v5p-1024", "--mode", "infer", "--objective", "dpo"]) == 2
     assert "--objective 'dpo': plans a train step: use --mode train" in capsys.readouterr().err
+
+
+# Full-K3 train steps compiled for v5p:8x8x8 with the code of the date (docs/performance.md,
+# "Full K3: XLA's figures beside the planner's"): flags, XLA's total GiB a chip
+XLA_COMPILED = [
+    (("--batch", "128"), 84.3),                                                   # 2026-12-03
+    (("--batch", "256", "--ep-buffer-mib", "256"), 90.3),                         # 2026-12-06
+    (("--batch", "2048", "--grad-accum", "8", "--expert-format", "mxfp4", "--lora-rank", "16",
+      "--ep-buffer-mib", "1024"), 56.7),                                          # 2026-12-06
+    (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024"), 88.06),  # 2026-12-07
+]
+
+
+@pytest.mark.parametrize("flags,xla_gib", XLA_COMPILED)
+def test_the_planner_is_within_ten_percent_of_xla_on_the_compiled_k3_steps(capsys, flags, xla_gib):
+    """The planner against XLA's own memory analysis of the full step (an independent
+    figure: `k3jax compile` in the [tpu] venv), on every current row of the table."""
+    off = () if "--optimizer-offload" in flags else ("--no-optimizer-offload",)
+    out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--seq", "4096", *flags, *off)
+    assert out["bytes_per_device"]["total"] / GIB == pytest.approx(xla_gib, rel=0.10)
