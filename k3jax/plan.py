@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from k3jax.config import OBJECTIVES, ConfigError, ModelConfig
+from k3jax.config import OBJECTIVES, ConfigError, ModelConfig, expert_role
 from k3jax.mesh import MeshPreset, entry_axes, fit_spec, logical_shards
 from k3jax.model import param_specs
 
@@ -47,6 +47,7 @@ class PlanOptions:
     objective: str = "sft"           # train config objective: 'sft' | 'dpo' | 'grpo' (objective_bytes)
     rollout_slots: int | None = None  # grpo: the rollout engine's slots (None: train's, objective_bytes)
     kl_beta: float = 0.0             # grpo.kl_beta: > 0 without LoRA keeps a copy of the params
+    qat: bool = False                # train config qat: the forward sees the export's weights
 
     def __post_init__(self):
         def need(ok, key, why):   # named as `plan` and `compile` spell the flag
@@ -139,14 +140,15 @@ ALLOCATION_PER_TOKEN = {"full": 4.4 * GIB / 1024, "frozen": 6.0 * GIB / 1024}
 ZERO_AXES = ("embed", "kda_rank", "q_lora", "kv_lora", "latent")
 
 
-def gathered_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
+def gathered_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, keep=None) -> dict:
     """Per-device bytes of weights ZeRO-3 gathers for the compute: one layer's at a time
     (the largest layer), and the lm_head table, which the logits need whole over the model
     dim (found in the compiled K3 train step's peak: gathered q/k/v/o/g, dense-MLP and
     local-expert weights of the layer in flight, and a [D, vocab] lm_head, beside the
     embedding's). A gathered weight keeps its other splits (heads, vocab, experts).
     Training holds each gathered weight's gradient at that size too, until it is
-    reduce-scattered. The embedding table is `activation_bytes`' `embed_table`."""
+    reduce-scattered. The embedding table is `activation_bytes`' `embed_table`. `keep`: a
+    predicate on a leaf's path keys, to count only those leaves."""
     from k3jax.model import abstract_variables
     sizes = preset.shape(opt.devices)
     boxed = abstract_variables(run_config(cfg, opt))
@@ -166,7 +168,7 @@ def gathered_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> di
                 gathered *= n
             else:
                 kept *= n
-        if keys[0] in ("lora", "embed_tokens") or gathered == 1:
+        if keys[0] in ("lora", "embed_tokens") or gathered == 1 or (keep is not None and not keep(keys)):
             continue
         full = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize / kept
         if keys[0] == "lm_head":
@@ -308,6 +310,7 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     # 1K and 2K tokens a chip (docs/performance.md)
     slack = (tokens * ALLOCATION_PER_TOKEN["frozen" if opt.lora_rank else "full"]
              if opt.mode == "train" and preset.device.startswith("TPU") else 0)
+    qat = qat_bytes(cfg, preset, opt) if opt.mode == "train" and opt.qat else 0
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2),
                 "embed_table": int(embed_table), "gathered_layer": gathered["layer"],
@@ -315,7 +318,25 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     return {"saved": int(saved_per_token * tokens * width), "layer_peak": int(peak_layer),
             "moe_buffer": int(moe_buffer), "logits": int(logits), "embed_table": int(embed_table),
             "gathered_layer": gathered["layer"], "lm_head_table": gathered["lm_head"],
-            "allocation": int(slack)}
+            "allocation": int(slack), **({"qat": int(qat)} if opt.qat else {})}
+
+
+def qat_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> int:
+    """What quantization-aware fine-tuning adds to a train step (k3jax.ops.qat, train.qat):
+    with widened experts, one MoE layer's local experts quantized to MXFP4 bytes (17/32 byte
+    a value, the one per-layer copy; an MXFP4-resident base merges tile by tile, no copy);
+    with LoRA, one layer's adapted dense projections merged as bf16(W + s·A·B) in fp32 (the
+    largest layer's gathered kernels, `gathered_bytes`, at 4 bytes a value)."""
+    sizes = preset.shape(opt.devices)
+    out = 0.0
+    if cfg.num_experts and opt.expert_format != "mxfp4":
+        local = cfg.num_experts / logical_shards(preset.rules, sizes, ("expert",))
+        hidden = logical_shards(preset.rules, sizes, ("expert_mlp",))
+        out += local * 3 * cfg.moe_hidden_size * cfg.moe_intermediate_size / hidden * 17 / 32
+    if opt.lora_rank:
+        dense = gathered_bytes(cfg, preset, opt, keep=lambda keys: expert_role(keys) is None)["layer"]
+        out += dense / np.dtype(opt.param_dtype).itemsize * 4
+    return int(out)
 
 
 def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:

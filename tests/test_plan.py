@@ -1,4 +1,5 @@
 """`k3jax plan`: full K3 from abstract shapes only (nothing of that size is allocated)."""
+import dataclasses
 import json
 import math
 import re
@@ -395,3 +396,25 @@ def test_the_planner_is_within_ten_percent_of_xla_on_the_compiled_k3_steps(capsy
     off = () if "--optimizer-offload" in flags else ("--no-optimizer-offload",)
     out = run_json(capsys, "configs/k3.yaml", "--mesh", "v5p-1024", "--seq", "4096", *flags, *off)
     assert out["bytes_per_device"]["total"] / GIB == pytest.approx(xla_gib, rel=0.10)
+
+
+def test_qat_adds_one_layers_experts_as_the_bytes_the_forward_makes():
+    """`--qat` over widened experts: the train step quantizes one MoE layer's local experts
+    to MXFP4 bytes (ops.qat.requantized); the planner's term is those arrays' size on a
+    device (shapes from the model's own params, split over the expert axis)."""
+    import jax
+    import numpy as np
+
+    from k3jax.model import param_shapes
+    from k3jax.ops.qat import requantized
+    cfg, preset = load("toy"), load_preset("expert8")
+    opt = PlanOptions(batch=8, seq=64)
+    base = plan(cfg, preset, opt, 1)["detail"]["activations"]
+    qat = plan(cfg, preset, dataclasses.replace(opt, qat=True), 1)["detail"]["activations"]
+    assert "qat" not in base and {k: v for k, v in qat.items() if k != "qat"} == base
+    stacks = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes(cfg))
+              if any(getattr(k, "key", None) in ("w1", "w2", "w3") for k in path)]
+    one_layer = [s.shape[-3:] for s in stacks[:3]]      # [E, in, out] of a layer's w1, w2, w3
+    local = [jax.ShapeDtypeStruct((e // 8, *rest), np.float32) for e, *rest in one_layer]
+    made = sum(x.size * x.dtype.itemsize for w in local for x in jax.eval_shape(lambda w: requantized(w, None, 0.0), w))
+    assert qat["qat"] == made

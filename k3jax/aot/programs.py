@@ -141,6 +141,8 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
     section = _merge(section, _objective_section(opt, batch=micro * accum))
     if opt.freeze:
         section["optimizer"] = {"freeze": list(opt.freeze)}
+    if opt.qat:
+        section["qat"] = True
     tc = tconf.resolve(_merge(k3.train, section), overrides)
     cfg = loop.run_model_config(k3, tc)
     with use_mesh(mesh, rules):

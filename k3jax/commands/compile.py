@@ -96,6 +96,8 @@ def _options(args, k3, devices: int, log):
     from k3jax.train.config import parse_overrides, resolve
     overrides = parse_overrides(args.overrides or [])
     resolve(k3.train, overrides)   # train's own schema: an unknown key or a bad value is one line
+    if overrides.get("qat") is True:     # `qat=true` as train takes it: the planner counts it too
+        args.qat = True
     opt = plan_options(args, mode="train" if args.mode == "train" else "infer", devices=devices,
                        prefill_chunk=args.prefill_chunk)
     total_params = count_params(k3.text, k3.layout)["total"]

@@ -20,6 +20,9 @@ def add_trained_flags(p):
     p.add_argument("--lora-optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--freeze", nargs="+", default=(), metavar="GLOB",
                    help="optimizer.freeze globs: frozen params have no gradients or optimizer state")
+    p.add_argument("--qat", action="store_true",
+                   help="quantization-aware fine-tuning (train config `qat: true`): the forward sees the "
+                        "weights as the export stores them")
 
 
 def add_objective_flags(p):
@@ -141,7 +144,7 @@ def plan_options(args, **given):
                        lora_expert_rank=args.lora_expert_rank, lora_expert_mode=args.lora_expert_mode,
                        lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
                        lora_optimizer=args.lora_optimizer, freeze=tuple(args.freeze), objective=args.objective,
-                       rollout_slots=args.rollout_slots, kl_beta=args.kl_beta, **given)
+                       rollout_slots=args.rollout_slots, kl_beta=args.kl_beta, qat=args.qat, **given)
 
 
 def run(args) -> int:
