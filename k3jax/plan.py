@@ -435,8 +435,9 @@ def choose_settings(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, tota
     fastest: the fewest microbatches (each pays the ZeRO-3 gathers and the exchanges'
     latency again), then at that count the largest exchange buffer (smaller ones split the
     exchange into chunks that write and read their buffers again), then the optimizer state
-    on the device before in host memory (two PCIe crossings a step). (cfg, opt, {setting:
-    value chosen}); unchanged where nothing fits, HBM is unknown, or the mode is infer."""
+    on the device before in host memory (two PCIe crossings a step); where none fits within
+    the margin, the first that fits at all. (cfg, opt, {setting: value chosen}); unchanged
+    where nothing fits, HBM is unknown, or the mode is infer."""
     hbm = opt.hbm_gib if opt.hbm_gib is not None else preset.hbm_gib
     if opt.mode != "train" or not hbm:
         return cfg, opt, {}
@@ -445,21 +446,22 @@ def choose_settings(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, tota
     eps = [rt.ep_buffer_mib] + ([] if "ep_buffer_mib" in given else
                                 [m for m in EP_BUFFER_CHOICES if m < rt.ep_buffer_mib])
     offloads = [rt.optimizer_offload] if "optimizer_offload" in given else [False, True]
-    for a in accums:
-        o = dataclasses.replace(opt, grad_accum=a or 1)
-        if o.batch and not places(preset, o, o.batch // o.grad_accum):
-            continue
-        for off in offloads:
-            for ep in eps:
-                c = cfg.with_runtime(ep_buffer_mib=ep, optimizer_offload=off)
-                try:
-                    total = plan(c, preset, o, total_params)["bytes_per_device"]["total"]
-                except ConfigError:
-                    continue
-                if total <= CHOICE_MARGIN * hbm * GIB:
-                    chosen = {k: v for k, v in (("grad_accum", o.grad_accum), ("ep_buffer_mib", ep),
-                                                ("optimizer_offload", off)) if k not in given}
-                    return c, o, chosen
+    for margin in (CHOICE_MARGIN, 1.0):   # without the margin only where nothing fits with it
+        for a in accums:
+            o = dataclasses.replace(opt, grad_accum=a or 1)
+            if o.batch and not places(preset, o, o.batch // o.grad_accum):
+                continue
+            for off in offloads:
+                for ep in eps:
+                    c = cfg.with_runtime(ep_buffer_mib=ep, optimizer_offload=off)
+                    try:
+                        total = plan(c, preset, o, total_params)["bytes_per_device"]["total"]
+                    except ConfigError:
+                        continue
+                    if total <= margin * hbm * GIB:
+                        chosen = {k: v for k, v in (("grad_accum", o.grad_accum), ("ep_buffer_mib", ep),
+                                                    ("optimizer_offload", off)) if k not in given}
+                        return c, o, chosen
     return cfg, opt, {}
 
 

@@ -249,21 +249,22 @@ LORA_B300 = ("configs/k3.yaml", "--mesh", "b300x8", "--mode", "train", "--expert
 def test_a_preset_carries_the_runtime_it_was_planned_with(capsys):
     """b300x8_train was planned with 256 MiB exchanges: the short command fits with it, says
     so, and a flag still wins (the same rule train and compile follow)."""
-    short = run_json(capsys, *LORA_B300)
+    on_device = (*LORA_B300, "--no-optimizer-offload")
+    short = run_json(capsys, *on_device)
     assert short["mesh"] == "b300x8_train" and short["runtime_from_preset"] == {"ep_buffer_mib": 256}
     assert short["ep_buffer_mib"] == 256 and short["fits"]
-    explicit = run_json(capsys, *LORA_B300, "--ep-buffer-mib", "256")
+    explicit = run_json(capsys, *on_device, "--ep-buffer-mib", "256")
     assert explicit["runtime_from_preset"] == {} and explicit["bytes_per_device"] == short["bytes_per_device"]
-    wide = run_json(capsys, *LORA_B300, "--ep-buffer-mib", "1024")
+    wide = run_json(capsys, *on_device, "--ep-buffer-mib", "1024")
     assert wide["ep_buffer_mib"] == 1024 and not wide["fits"]
 
 
 @pytest.mark.parametrize("argv", [
-    LORA_B300 + ("--ep-buffer-mib", "1024"),
+    LORA_B300 + ("--ep-buffer-mib", "1024", "--no-optimizer-offload"),
     ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "128", "--optimizer", "adamw", "--no-optimizer-offload"),
     ("configs/k3.yaml", "--mesh", "h200x16_train", "--mode", "train", "--expert-format", "mxfp4",
-     "--lora-rank", "16", "--batch", "8", "--seq", "4096"),
-    ("configs/k3.yaml", "--mesh", "v5p-512", "--batch", "256", "--optimizer", "adamw"),
+     "--lora-rank", "16", "--batch", "8", "--seq", "4096", "--no-optimizer-offload"),
+    ("configs/k3.yaml", "--mesh", "v5p-512", "--batch", "256", "--optimizer", "adamw", "--no-optimizer-offload"),
 ])
 def test_a_plan_that_does_not_fit_names_what_would(capsys, argv):
     """Every setting the planner suggests fits when given; where it suggests none, even all of

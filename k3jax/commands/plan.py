@@ -149,11 +149,11 @@ def plan_options(args, **given):
 
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
+    from k3jax.mesh import load_preset
     from k3jax.plan import fit_suggestions, plan
 
     k3 = load_any_config(args.config)
     opt = plan_options(args, mode=args.mode, devices=args.devices)
-    from k3jax.mesh import load_preset
     text, opt, chosen, from_preset = choose(args, k3.text, args.mesh, opt, _total_params(args.config))
     if opt.mode == "train" and opt.grad_accum is None:
         opt = dataclasses.replace(opt, grad_accum=1)
