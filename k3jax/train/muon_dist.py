@@ -116,102 +116,13 @@ def orthogonalize_many(xs, deals, ns: Callable, chunks) -> list:
         alone = d.per_device(x.shape) * d.group <= (1 + MAX_PADDING) * d.local_blocks(x.shape)
         packs.setdefault((d.mesh, rows, cols, d.replicas, shape, x.dtype, k if alone else -1), []).append((k, flip))
     out = [None] * len(xs)
-    for group in _shared_slots(packs, xs, deals):
-        parts = [(key[1], key[2], members) for key, members in group]
-        if len(parts) > 1:
-            ys = _orthogonalize_sharing(parts, xs, deals, ns)
-        else:
-            (_, rows, cols, *_), members = group[0]
-            idx = [k for k, _ in members]
-            ys = dict(zip(idx, _orthogonalize_pack([xs[k] for k in idx], [deals[k] for k in idx],
-                                                   [f for _, f in members], rows, cols, ns,
-                                                   [chunks[k] for k in idx])))
-        for k, y in ys.items():
+    for (_, rows, cols, *_), members in packs.items():
+        idx = [k for k, _ in members]
+        ys = _orthogonalize_pack([xs[k] for k in idx], [deals[k] for k in idx], [f for _, f in members],
+                                 rows, cols, ns, [chunks[k] for k in idx])
+        for k, y in zip(idx, ys):
             out[k] = y
     return out
-
-
-def _order(rows, cols) -> tuple:
-    """The mesh axes in the order a pack's blocks are dealt by, major first: block t goes to
-    the device whose index over these axes, read as digits, is t (`_orthogonalize_pack`'s
-    all-to-alls run over each dim's axes minor first, so the last axis splits first)."""
-    return tuple(reversed(rows)) + tuple(reversed(cols))
-
-
-def _shared_slots(packs: dict, xs, deals) -> list:
-    """The packs as groups run together: packs of one block shape whose blocks all fit one
-    a device (fewer than the group) and that deal over the same axes in the same order,
-    whatever dim those axes shard, share a slot on each device: their blocks go to
-    different devices and each device orthogonalises one block, not one per pack (K3's dense
-    projections, rows sharded for some views and columns for others: 2 blocks a device
-    become 1). Every other pack is a group of its own."""
-    groups, bins = [], {}
-    for key, members in packs.items():
-        mesh, rows, cols, replicas, shape, dtype, alone = key
-        d = deals[members[0][0]]
-        blocks = sum(deals[k].local_blocks(xs[k].shape) for k, _ in members)
-        if alone != -1 or replicas or blocks > d.group:
-            groups.append([(key, members)])
-            continue
-        for b in bins.setdefault((mesh, _order(rows, cols), shape, dtype), []):
-            if b[0] + blocks <= d.group:
-                b[0] += blocks
-                b[1].append((key, members))
-                break
-        else:
-            bins[(mesh, _order(rows, cols), shape, dtype)].append([blocks, [(key, members)]])
-    return groups + [b[1] for bs in bins.values() for b in bs]
-
-
-def _orthogonalize_sharing(parts, xs, deals, ns: Callable) -> dict:
-    """Packs sharing each device's one slot (`_shared_slots`): pack j's blocks are placed
-    after those of the packs before it, so its real blocks land on devices no other pack's
-    do; each device orthogonalises the one real block it received and sends the result back
-    along every pack's way (the others' copies there are padding, dropped). {view index:
-    result}."""
-    idx = [k for _, _, members in parts for k, _ in members]
-    d0 = deals[idx[0]]
-    sizes, group = dict(d0.mesh.shape), d0.group
-    order = _order(parts[0][0], parts[0][1])
-
-    def local(*xls):
-        it = iter(xls)
-        received, spans, start = [], [], 0
-        for rows, cols, members in parts:
-            blocks = [jnp.swapaxes(next(it), -1, -2) if f else next(it) for _, f in members]
-            counts = [math.prod(bl.shape[:-2]) for bl in blocks]
-            y = jnp.concatenate([bl.reshape(c, *bl.shape[-2:]) for bl, c in zip(blocks, counts)])
-            b = sum(counts)
-            y = jnp.concatenate([_copies(y, start), y, _copies(y, group - start - b)])
-            for a in reversed(rows):
-                y = jax.lax.all_to_all(y, a, 0, 1, tiled=True)
-            for a in reversed(cols):
-                y = jax.lax.all_to_all(y, a, 0, 2, tiled=True)
-            received.append(y)
-            spans.append((start, b, counts, blocks, members))
-            start += b
-        pos = 0
-        for a in order:
-            pos = pos * sizes[a] + jax.lax.axis_index(a)
-        y = received[0]
-        for r, (s0, b, *_) in zip(received[1:], spans[1:]):
-            y = jnp.where((pos >= s0) & (pos < s0 + b), r, y)
-        y = ns(y[0])[None]
-        outs = []
-        for (rows, cols, _), (s0, b, counts, blocks, members) in zip(parts, spans):
-            z = y
-            for a in cols:
-                z = jax.lax.all_to_all(z, a, 2, 0, tiled=True)
-            for a in rows:
-                z = jax.lax.all_to_all(z, a, 1, 0, tiled=True)
-            starts = [s0 + sum(counts[:j]) for j in range(len(counts))]
-            outs += [jnp.swapaxes(z[s:s + c].reshape(bl.shape), -1, -2) if f else z[s:s + c].reshape(bl.shape)
-                     for s, c, bl, (_, f) in zip(starts, counts, blocks, members)]
-        return tuple(outs)
-
-    specs = tuple(P(*deals[k].spec) for k in idx)
-    ys = jax.shard_map(local, mesh=d0.mesh, in_specs=specs, out_specs=specs, check_vma=False)(*[xs[k] for k in idx])
-    return dict(zip(idx, ys))
 
 
 def _copies(y, n: int):

@@ -221,33 +221,6 @@ def test_dealt_blocks_match_newton_schulz_and_split_the_work(spec):
     assert "all-reduce(" not in text and "all-to-all(" in text
 
 
-def test_packs_of_one_block_shape_share_each_devices_slot():
-    """3 blocks with their rows split over all 8 devices and 4 with their columns split over
-    them: two packs of one block shape, fewer blocks than devices between them. They share
-    each device's one slot (their blocks on different devices), so every device runs one
-    block's Newton–Schulz, not one per pack; each block still equals its own."""
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-
-    from k3jax.train import muon_dist
-    from optax.contrib._muon import orthogonalize_via_newton_schulz
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Auto,) * 3)
-    rng = np.random.default_rng(11)
-    views = [(rng.normal(size=(3, 24, 16)), (None, ("x", "y", "z"), None)),
-             (rng.normal(size=(4, 24, 16)), (None, None, ("x", "y", "z")))]
-    xs = [jax.device_put(g.astype(np.float32), NamedSharding(mesh, P(*spec))) for g, spec in views]
-    deals = [muon_dist.plan(g.shape, spec, mesh) for g, spec in views]
-    coeffs = jnp.asarray(NS, jnp.float32)
-    one = lambda b: orthogonalize_via_newton_schulz(b, coeffs, 5, "frobenius", 1e-8)  # noqa: E731
-    many = lambda *v: muon_dist.orthogonalize_many(list(v), deals, one, [1, 1])  # noqa: E731
-    for got, (g, _) in zip(jax.jit(many)(*xs), views):
-        for i in range(g.shape[0]):
-            np.testing.assert_allclose(np.asarray(got)[i], newton_schulz(g[i].astype(np.float32)), rtol=2e-3, atol=2e-4)
-    block = _ns_dot_flops(one, jnp.ones((24, 16), jnp.float32))
-    assert _ns_dot_flops(many, *xs) == pytest.approx(block, rel=1e-6)
-    alone = lambda *v: [muon_dist.orthogonalize(x, d, one) for x, d in zip(v, deals)]  # noqa: E731
-    assert _ns_dot_flops(alone, *xs) == pytest.approx(2 * block, rel=1e-6)
-
-
 def test_a_deal_whose_padding_fills_a_devices_share_still_orthogonalizes():
     """4 blocks over a group of 8 pad 4: a whole device's share of the exchange is padding.
     Zero padding there was a constant all-to-all operand, which XLA:CPU's decomposition of
