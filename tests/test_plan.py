@@ -389,6 +389,8 @@ XLA_COMPILED = [
     (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024"), 88.06),  # 2026-12-07
     (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024",
       "--ep-capacity", "1.25"), 81.01),                                           # 2026-12-07
+    (("--batch", "2048", "--grad-accum", "4", "--expert-format", "mxfp4", "--lora-rank", "16",
+      "--ep-buffer-mib", "1024"), 92.05),                                         # 2026-12-07
 ]
 
 
