@@ -18,8 +18,12 @@ group. A view with fewer blocks than its group (a dense projection stacked over 
 over 512 devices) is dealt out too: a block on each of 22 devices, padding on the others,
 which costs one block's Newton–Schulz per device where XLA's sharded form, measured on K3's
 compiled step (`k3jax compile`, scope 'other'), cost 2.6x the whole optimizer's fair share
-in FLOPs and most of the step's all-reduce bytes. A single unstacked matrix is left to XLA
-(one block per device would replicate its work), as is every view outside a mesh.
+in FLOPs and most of the step's all-reduce bytes. A single (unstacked) matrix rides in the
+padding of a pack of its block shape where one has room: it then costs no device anything
+more. Otherwise it is left to XLA (one block per device would replicate its work), as is
+every view outside a mesh. Left to XLA, a matrix whose short side is not sharded has its
+Gram products replicated on every device (K3's unstacked shared-expert projections: 154x
+their fair share each, 3.2e13 FLOPs a device a step in all on v5p-1024).
 """
 from __future__ import annotations
 
@@ -67,8 +71,9 @@ class Deal:
 
 def plan(shape, spec: P | tuple | None, mesh: Mesh | None) -> Deal | None:
     """The Deal for a view of `shape` sharded as `spec` on `mesh`, or None where XLA's own
-    sharded Newton–Schulz is kept (no mesh, nothing to deal, or a single matrix)."""
-    if mesh is None or spec is None or len(shape) < 3 or mesh.size == 1:
+    sharded Newton–Schulz is kept (no mesh or nothing to deal). A single matrix's Deal says
+    which packs it may ride in (`orthogonalize_many`)."""
+    if mesh is None or spec is None or len(shape) < 2 or mesh.size == 1:
         return None
     sizes = dict(mesh.shape)
     spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
@@ -103,19 +108,31 @@ def orthogonalize_many(xs, deals, ns: Callable, chunks) -> list:
     the group once between them, not each (K3's dense projections: 22 stacked blocks each
     over 512 devices, one block per device per view alone, ~one per device for all of them
     packed). Views padding at most MAX_PADDING run alone, as `orthogonalize` runs them.
-    Each view's blocks run in batches no larger than `orthogonalize`'s for it."""
+    Each view's blocks run in batches no larger than `orthogonalize`'s for it. A single
+    matrix (2-D view) takes a padding slot of a pack it can join, else XLA's sharded form."""
     packs: dict = {}
+    singles = []
     for k, (x, d) in enumerate(zip(xs, deals)):
         # tall blocks packed transposed with wide ones: Newton–Schulz of Xᵀ is its result's
         # transpose, and optax turns a tall block wide before iterating, so nothing changes
         flip = x.shape[-2] > x.shape[-1]
         rows, cols = (d.cols, d.rows) if flip else (d.rows, d.cols)
         shape = tuple(x.shape[-2:])[::-1] if flip else tuple(x.shape[-2:])
+        key = (d.mesh, rows, cols, d.replicas, shape, x.dtype)
+        if x.ndim == 2:
+            singles.append((k, flip, key))
+            continue
         # a view that pads little runs alone: packed, its copies on the way in and out would
         # be live together with the others' (K3's expert leaves: 12.6 GiB a device a pack)
         alone = d.per_device(x.shape) * d.group <= (1 + MAX_PADDING) * d.local_blocks(x.shape)
-        packs.setdefault((d.mesh, rows, cols, d.replicas, shape, x.dtype, k if alone else -1), []).append((k, flip))
+        packs.setdefault(key + (k if alone else -1,), []).append((k, flip))
     out = [None] * len(xs)
+    for k, flip, key in singles:
+        pack = next((m for pk, m in packs.items() if pk[:-1] == key and _room(m, xs, deals)), None)
+        if pack is None:
+            out[k] = ns(xs[k])
+        else:
+            pack.append((k, flip))
     for (_, rows, cols, *_), members in packs.items():
         idx = [k for k, _ in members]
         ys = _orthogonalize_pack([xs[k] for k in idx], [deals[k] for k in idx], [f for _, f in members],
@@ -123,6 +140,13 @@ def orthogonalize_many(xs, deals, ns: Callable, chunks) -> list:
         for k, y in zip(idx, ys):
             out[k] = y
     return out
+
+
+def _room(members, xs, deals) -> int:
+    """Padding slots of a pack: blocks it could take with no device running more."""
+    b = sum(deals[k].local_blocks(xs[k].shape) for k, _ in members)
+    group = deals[members[0][0]].group
+    return -(-b // group) * group - b
 
 
 def _copies(y, n: int):

@@ -270,19 +270,48 @@ def test_views_that_share_a_deal_pad_once_between_them():
     assert _ns_dot_flops(alone, *xs) == pytest.approx(3 * block, rel=1e-6)
 
 
+def test_single_matrices_ride_in_a_packs_padding():
+    """A single (unstacked) matrix takes a padding slot of a pack of its block shape (a tall
+    one transposed): 3 stacked blocks and 2 single matrices over 8 devices still run one
+    block per device. One with no such pack keeps XLA's sharded form. Every block still
+    equals its own Newton–Schulz (K3's unstacked shared-expert projections, left to XLA,
+    ran their Gram products replicated: 154x their fair share each)."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+    from k3jax.train import muon_dist
+    from optax.contrib._muon import orthogonalize_via_newton_schulz
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Auto,) * 3)
+    rng = np.random.default_rng(11)
+    views = [(rng.normal(size=(3, 24, 16)), (None, "x", "y")), (rng.normal(size=(24, 16)), ("x", "y")),
+             (rng.normal(size=(16, 24)), ("y", "x")), (rng.normal(size=(24, 8)), ("x", "y"))]
+    xs = [jax.device_put(g.astype(np.float32), NamedSharding(mesh, P(*spec))) for g, spec in views]
+    deals = [muon_dist.plan(g.shape, spec, mesh) for g, spec in views]
+    coeffs = jnp.asarray(NS, jnp.float32)
+    one = lambda b: orthogonalize_via_newton_schulz(b, coeffs, 5, "frobenius", 1e-8)  # noqa: E731
+    many = lambda *v: muon_dist.orthogonalize_many(list(v), deals, one, [1] * 4)  # noqa: E731
+    for got, (g, _) in zip(jax.jit(many)(*xs), views):
+        for i in np.ndindex(*g.shape[:-2]):
+            np.testing.assert_allclose(np.asarray(got)[i], newton_schulz(g[i].astype(np.float32)), rtol=2e-3, atol=2e-4)
+    block = _ns_dot_flops(one, jnp.ones((16, 24), jnp.float32))
+    odd = _ns_dot_flops(one, xs[3])                       # XLA's sharded form of the unpacked one
+    assert _ns_dot_flops(many, *xs) == pytest.approx(block + odd, rel=1e-6)
+    assert _ns_dot_flops(one, xs[1]) > 0                  # what riding along saves
+
+
 @pytest.mark.slow
 def test_sharded_muon_update_equals_the_one_device_update(tmp_path):
     """The first Muon update of params sharded on a training mesh (fsdp, expert and tensor
     all 2; views dealt out where `muon_dist.plan` takes them, XLA's sharded Newton–Schulz
     elsewhere) equals the same update on one device, to fp32 noise; the routed experts and
-    the per-head views (heads over tensor) are dealt out. The toy cut to (KDA, MLA) twice,
-    all MoE: every kind of view, scanned, at a third of the toy's compile."""
+    the per-head views (heads over tensor) are dealt out. (KDA, MLA) three times, the first
+    layer dense: every kind of view, scanned (two groups of two) and unstacked (single
+    matrices riding in packs, or left to XLA)."""
     from k3jax.mesh import load_mesh, use_mesh
     from k3jax.model import param_shardings
     from k3jax.model import init_params
     from k3jax.train import muon, muon_dist
     from k3jax.testing.variants import write_variant
-    cfg = load(write_variant(str(tmp_path / "four.yaml"), layers=("kda", "mla") * 2, first_k_dense_replace=0))
+    cfg = load(write_variant(str(tmp_path / "four.yaml"), layers=("kda", "mla") * 3, first_k_dense_replace=1))
     mesh, rules = load_mesh("fsdp2_expert2_tensor2")
     o = tconf.resolve({}, {"optimizer": {"lr": 1.0, "warmup_steps": 0, "schedule": "constant",
                                          "weight_decay": 0.0, "grad_clip": 0.0}})["optimizer"]
