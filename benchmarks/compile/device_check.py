@@ -23,6 +23,10 @@ Sections (each reported, a failure never stops the rest; a section that would st
   mxfp4_gmm     the fused MXFP4 grouped matmul (pallas_kernels/mxfp4_gmm) against its pure
                 path and bf16 grouped_matmul on the dequantized experts, K3's expert shapes
                 (a device's share: 56 experts of [3072, 3584]).
+  qat_gmm       the re-quantizing kernels of quantization-aware fine-tuning (mxfp4_gmm with
+                a merge, Mosaic / Triton): identity rows read the exporter's weights out of
+                both orientations bit for bit (a small case), then at the mxfp4_gmm shapes
+                against the pure path's re-quantizing blocks, timed beside the plain kernel.
   toy_train     three steps of the real train step (toy config, kda_impl=pallas): losses
                 finite; step 1's loss equal to kda_impl=chunk's on the same params and batch.
   toy_decode    prefill + cached decode of the toy model (kda_impl=pallas): each decode
@@ -233,6 +237,42 @@ def section_mxfp4_gmm(a):
     return out
 
 
+def section_qat_gmm(a):
+    from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
+    from k3jax.checkpoint.update_loss import merged_fp32
+    from k3jax.ops.mxfp4_matmul import mxfp4_grouped_matmul
+    rng = np.random.default_rng(5)
+    # bit for bit on a small case: the weights the export stores, read through identity rows
+    E, N, K, r, s = 2, 64, 64, 4, 1.5
+    packed, scale = quantize_mxfp4((rng.standard_normal((E, N, K)) * 0.05).astype(np.float32))
+    ad = ((rng.standard_normal((E, K, r)) * 0.3).astype(np.float32), (rng.standard_normal((E, r, N)) * 0.02).astype(np.float32))
+    want = np.stack([dequantize_mxfp4_np(*quantize_mxfp4(merged_fp32(dequantize_mxfp4_np(packed[e], scale[e], np.float32),
+                                                                      ad[1][e].T, ad[0][e].T, s)[0]), np.float32)
+                     for e in range(E)])                                              # [E, N, K]
+    eye = lambda n: jnp.tile(jnp.eye(n, dtype=jnp.float32), (E, 1))  # noqa: E731
+    got_t = mxfp4_grouped_matmul(eye(K), packed, scale, jnp.full((E,), K, jnp.int32), impl="pallas", merge=(*ad, s))
+    got_n = mxfp4_grouped_matmul(eye(N), packed, scale, jnp.full((E,), N, jnp.int32), impl="pallas",
+                                 transpose_rhs=False, merge=(*ad, s))
+    exact = bool(np.array_equal(np.asarray(got_t).reshape(E, K, N), np.swapaxes(want, 1, 2))
+                 and np.array_equal(np.asarray(got_n).reshape(E, N, K), want))
+    # at the mxfp4_gmm section's shapes: the kernel against the pure path's blocks
+    E, N, K, M = a.gmm_experts, a.gmm_n, a.gmm_k, a.gmm_rows
+    packed, scale = map(jnp.asarray, quantize_mxfp4((rng.standard_normal((E, N, K)) * 0.02).astype(np.float32)))
+    ad = (jnp.asarray(rng.standard_normal((E, K, 16)) * 0.02, jnp.float32),
+          jnp.asarray(rng.standard_normal((E, 16, N)) * 0.02, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    sizes = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E), jnp.int32)
+    fns = {impl: jax.jit(lambda x, impl=impl: mxfp4_grouped_matmul(x, packed, scale, sizes, impl=impl, merge=(*ad, 2.0)))
+           for impl in ("pallas", "pure")}
+    fns["pallas, no merge"] = jax.jit(lambda x: mxfp4_grouped_matmul(x, packed, scale, sizes, impl="pallas"))
+    res = {k: np.asarray(jax.device_get(f(x)), np.float32) for k, f in fns.items() if k != "pallas, no merge"}
+    out = {"exporters_weights_bit_for_bit": exact, "shape": {"E": E, "N": N, "K": K, "M": M, "rank": 16},
+           "pallas_vs_pure": rel_rms(res["pallas"], res["pure"]),
+           "ms": {k: 1e3 * timed(lambda f=f: f(x), a.reps) for k, f in fns.items()}, "tolerance": 1e-2}
+    out["ok"] = exact and out["pallas_vs_pure"] <= out["tolerance"]
+    return out
+
+
 def _toy(kda_impl, layers):
     """The toy config in fp32 (or its first `layers` layers: the dry run's, for compile time)."""
     from k3jax.config import load
@@ -306,7 +346,8 @@ def section_toy_decode(a):
 
 
 SECTIONS = {"gmm": section_gmm, "kda_forward": section_kda_forward, "kda_backward": section_kda_backward,
-            "mxfp4_gmm": section_mxfp4_gmm, "toy_train": section_toy_train, "toy_decode": section_toy_decode}
+            "mxfp4_gmm": section_mxfp4_gmm, "qat_gmm": section_qat_gmm, "toy_train": section_toy_train,
+            "toy_decode": section_toy_decode}
 
 
 def main(argv=None) -> int:

@@ -104,8 +104,8 @@ def mxfp4_grouped_matmul(x, packed, scale, group_sizes, *, transpose_rhs=True, i
     merge: quantization-aware fine-tuning's (A, B, alpha/r), adapters in the tree's
     orientation (A [E, K, r] or [K, r] shared, B [E, r, N]): each expert's weight is then
     mxfp4(W + (alpha/r)·(A B)ᵀ), re-quantized block by block (pure) or tile by tile
-    (Mosaic), the exporter's rounding (pallas_kernels.mxfp4_gmm.encode). A and B get no
-    gradient here (k3jax.ops.qat adds theirs); on GPU the pure path runs it.
+    (Mosaic or Triton), the exporter's rounding (pallas_kernels.mxfp4_gmm.encode). A and B
+    get no gradient here (k3jax.ops.qat adds theirs).
     """
     if impl not in IMPLS:
         raise ValueError(f"mxfp4_grouped_matmul: unknown impl {impl!r}; expected one of {IMPLS}")
@@ -209,12 +209,10 @@ def _dispatch(x, packed, scale, sizes, transpose_rhs, cdt, block, window, impl, 
     if impl == "auto" and target_backend() == "cpu":
         return cpu(x, packed, scale, sizes)    # not traced beside the kernels: see grouped_matmul
     accel = {}
-    if impl == "auto" and merge is None:
+    if impl == "auto":
         accel = dict(tpu=functools.partial(fused, mode="tpu"),
                      cuda=functools.partial(fused, mode="triton"),
                      rocm=functools.partial(fused, mode="triton"))
-    elif impl == "auto":   # re-quantizing tiles: the Mosaic kernel; GPUs run the pure blocks
-        accel = dict(tpu=functools.partial(fused, mode="tpu"))
     return jax.lax.platform_dependent(x, packed, scale, sizes, cpu=cpu, default=default, **accel)
 
 

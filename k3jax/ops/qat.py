@@ -5,7 +5,7 @@ mxfp4(W + (alpha/r)·A·B) with fresh OCP scales (compressed-tensors' rounding).
 forward multiplies by exactly those values, so the export loses nothing of what was trained:
 
 - MXFP4-resident base with adapters: the fused grouped matmul merges and re-quantizes each
-  block (pure path) or tile (Mosaic kernel) it decodes (`mxfp4_grouped_matmul(merge=...)`);
+  block (pure path) or tile (Mosaic and Triton kernels) it decodes (`mxfp4_grouped_matmul(merge=...)`);
   no widened or merged copy of the stack exists.
 - widened base (bf16/fp32 experts; full fine-tuning, or LoRA over them): each expert's
   merged value is quantized to MXFP4 bytes one expert at a time (17/32 byte per value, the

@@ -66,23 +66,18 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, transpose_rhs=True, compute_dtyp
     Triton's). expected_rows: the rows doing real work under balanced routing, which the
     kernels' declared cost estimates count (as pallas_kernels.gmm's).
     merge: (A_lo, A_hi [E|1, r, K/2], Bᵀ [E, N, r] fp32, alpha/r) for quantization-aware
-    fine-tuning: each decoded tile becomes mxfp4(W + (alpha/r)·Bᵀ A) (encode.py), on the
-    TPU layout (Mosaic, or interpret mode)."""
+    fine-tuning: each decoded tile (TPU layout) or chunk (Triton's) becomes
+    mxfp4(W + (alpha/r)·Bᵀ A) (encode.py), in either layout."""
     if mode not in MODES:
         raise ValueError(f"mxfp4_gmm: unknown mode {mode!r}; expected one of {MODES}")
     if layout not in (None, *LAYOUTS):
         raise ValueError(f"mxfp4_gmm: unknown layout {layout!r}; expected one of {LAYOUTS}")
     cdt = jnp.dtype(compute_dtype or x.dtype)
-    if merge is not None and (layout == "triton" or mode == "triton"):
-        raise ValueError("mxfp4_gmm: re-quantizing tiles (merge) runs the TPU layout (Mosaic or interpret "
-                         "mode); on GPUs k3jax.ops.mxfp4_matmul runs its pure blocks")
     run = functools.partial(_run, transpose_rhs=transpose_rhs, cdt=cdt, layout=layout, tm=tm,
                             expected_rows=expected_rows, merge=merge)
     if mode != "auto":
         return run(x, packed, scale, group_sizes, mode=mode)
     per = lambda m: functools.partial(run, mode=m)  # noqa: E731
-    if merge is not None:
-        return jax.lax.platform_dependent(x, packed, scale, group_sizes, tpu=per("tpu"), default=per("interpret"))
     return jax.lax.platform_dependent(x, packed, scale, group_sizes, tpu=per("tpu"),
                                       cuda=per("triton"), rocm=per("triton"),
                                       default=per("interpret"))
@@ -136,7 +131,7 @@ def _run(x, packed, scale, group_sizes, *, transpose_rhs, cdt, layout, tm, expec
     cost = _cost(rows, min(E, max(rows, 1)), N, Kh, jnp.dtype(cdt).itemsize, x.dtype.itemsize, tiles_n,
                  transpose_rhs)
     common = dict(tm=tm, out_dtype=x.dtype, mode=mode, matmul=matmul, axes=axes, cost=cost)
-    if merge is not None:       # the TPU layout's alone (mxfp4_gmm refuses Triton's)
+    if merge is not None:
         common["merge"] = merge
     if transpose_rhs:
         x_lo, x_hi = xp[:, 0::2], xp[:, 1::2]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 E8M0_NAN = 255
 _F32_INF = 0x7F80_0000
@@ -80,7 +81,11 @@ def quantize_halves(lo, hi):
 
 def _split(x):
     """fp32 x as hi + lo, each of at most 12 significant bits (hi: x's top 12 by masking;
-    lo = x − hi, exact): products of such halves are exact in fp32."""
+    lo = x − hi, exact): products of such halves are exact in fp32. A numpy scalar (the
+    merge's scale) is split in numpy: Triton lowers no bitcast of a constant."""
+    if isinstance(x, np.floating):
+        hi = (np.asarray(x, np.float32).view(np.int32) & np.int32(-4096)).view(np.float32)[()]
+        return hi, np.float32(x - hi)
     hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(-4096), jnp.float32)
     return hi, x - hi
 
@@ -96,18 +101,30 @@ def _add_product(acc, x, y):
     return acc
 
 
+def _ranks(cols, rows):
+    """Σ_j cols[j] · rows[j] in fp32, rank j after rank j - 1 (each `_add_product`'s exact
+    parts): cols[j] [..., P, 1], rows[j] [..., 1, Q]."""
+    acc = jnp.zeros(jnp.broadcast_shapes(cols[0].shape, rows[0].shape), jnp.float32)
+    for c, r in zip(cols, rows):
+        acc = _add_product(acc, c.astype(jnp.float32), r.astype(jnp.float32))
+    return acc
+
+
 def lowrank(left, right):
     """left [..., P, r], right [..., r, Q] -> [..., P, Q] fp32, one rank at a time in order
     (each rank's product as `_add_product`'s exact parts)."""
-    left, right = left.astype(jnp.float32), right.astype(jnp.float32)
-    acc = jnp.zeros(jnp.broadcast_shapes(left.shape[:-1] + (1,), right.shape[:-2] + (1, right.shape[-1])),
-                    jnp.float32)
-    for j in range(left.shape[-1]):
-        acc = _add_product(acc, left[..., :, j:j + 1], right[..., j:j + 1, :])
-    return acc
+    r = left.shape[-1]
+    return _ranks([left[..., :, j:j + 1] for j in range(r)], [right[..., j:j + 1, :] for j in range(r)])
 
 
 def merge(w, left, right, scale):
     """w + scale · lowrank(left, right) in fp32 (w any float dtype, widened exactly), the
     scale's product in exact parts too."""
-    return _add_product(w.astype(jnp.float32), jnp.float32(scale), lowrank(left, right))
+    return _add_product(w.astype(jnp.float32), np.float32(scale), lowrank(left, right))
+
+
+def merge_ranks(w, cols, rows, scale):
+    """`merge` with the adapters given rank by rank (cols[j] = left[..., :, j:j+1], rows[j] =
+    right[..., j:j+1, :]), as a kernel that cannot slice a loaded block (Triton) loads them:
+    the same operations in the same order, so the same bits."""
+    return _add_product(w.astype(jnp.float32), np.float32(scale), _ranks(cols, rows))

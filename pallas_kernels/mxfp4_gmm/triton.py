@@ -10,6 +10,11 @@ stores only its group's rows (visits of a straddling tile write disjoint rows; t
 of group E write the zeros past Σ sizes). Refs are whole arrays and the visit list an
 ordinary input: Pallas's Triton lowering has no scalar prefetch. All block sizes are
 powers of two (Triton's rule), and every dot dimension is at least 16.
+
+With a merge (quantization-aware fine-tuning) each decoded chunk becomes mxfp4(W + s·Bᵀ A)
+before its product, as the TPU layout's tiles do (encode.py, the exporter's rounding): a
+chunk holds whole groups of 32 inputs, and the adapters' rows and columns are loaded rank
+by rank (a loaded block cannot be sliced), so no merged copy of an expert exists.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.mxfp4_gmm import encode
 from pallas_kernels.mxfp4_gmm.decode import e2m1_e8m0, nibbles
 from pallas_kernels.grouped.manual import out_struct
 from pallas_kernels.mxfp4_gmm.tpu import SCALE_LANES, _expand
@@ -29,19 +35,37 @@ def _iota(n):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
-def _load_weights(p_ref, s_ref, w, r0, rows, c0, cols, cdt):
+def _load_weights(p_ref, s_ref, w, r0, rows, c0, cols, cdt, merge=None):
     """Decoded (low, high) [rows, cols] of expert w's packed rows r0.. and columns c0..
-    (zero past the array's end: code 0 under scale 0)."""
+    (zero past the array's end: code 0 under scale 0), merged and re-quantized where a
+    merge is given."""
     R, C = p_ref.shape[1:]
-    r_ok = (r0 + _iota(rows) < R)[:, None]
-    p = pltriton.load(p_ref.at[w, pl.ds(r0, rows), pl.ds(c0, cols)],
-                      mask=r_ok & (c0 + _iota(cols) < C)[None, :], other=0)
+    r_ok = r0 + _iota(rows) < R
+    c_ok = c0 + _iota(cols) < C
+    p = pltriton.load(p_ref.at[w, pl.ds(r0, rows), pl.ds(c0, cols)], mask=r_ok[:, None] & c_ok[None, :], other=0)
     sc = cols // SCALE_LANES
     s = pltriton.load(s_ref.at[w, pl.ds(r0, rows), pl.ds(c0 // SCALE_LANES, sc)],
-                      mask=r_ok & (c0 // SCALE_LANES + _iota(sc) < C // SCALE_LANES)[None, :], other=0)
+                      mask=r_ok[:, None] & (c0 // SCALE_LANES + _iota(sc) < C // SCALE_LANES)[None, :], other=0)
     lo, hi = nibbles(p)
     s = _expand(s.astype(jnp.int32), rows, sc)
+    if merge is not None:
+        lo, hi, s = _requantized(e2m1_e8m0(lo, s), e2m1_e8m0(hi, s), merge, w, r0, r_ok, c0, c_ok)
     return e2m1_e8m0(lo, s, cdt), e2m1_e8m0(hi, s, cdt)
+
+
+def _requantized(w_lo, w_hi, merge, w, r0, r_ok, c0, c_ok):
+    """(low codes, high codes, expanded scales) of mxfp4(W + s·Bᵀ A) for a decoded chunk:
+    Bᵀ [E, R, r], A_lo / A_hi [E|1, r, C] refs, loaded one rank at a time."""
+    bt_ref, alo_ref, ahi_ref, scale = merge
+    rows, cols = r_ok.shape[0], c_ok.shape[0]
+    wa = w if alo_ref.shape[0] > 1 else jnp.int32(0)     # a shared A: every expert reads it
+    rank = range(bt_ref.shape[2])
+    left = [pltriton.load(bt_ref.at[w, pl.ds(r0, rows), pl.ds(j, 1)], mask=r_ok[:, None], other=0) for j in rank]
+    right = [[pltriton.load(a_ref.at[wa, pl.ds(j, 1), pl.ds(c0, cols)], mask=c_ok[None, :], other=0) for j in rank]
+             for a_ref in (alo_ref, ahi_ref)]
+    s_new, lo, hi = encode.quantize_halves(encode.merge_ranks(w_lo, left, right[0], scale),
+                                           encode.merge_ranks(w_hi, left, right[1], scale))
+    return lo, hi, _expand(s_new, rows, cols // SCALE_LANES)
 
 
 def _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm):
@@ -52,8 +76,19 @@ def _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm):
     return g, t * tm, w, inside
 
 
+def _merge(refs, scale):
+    """The merge refs after the weights' (A_lo, A_hi, Bᵀ, as mxfp4_gmm orders them) as
+    _requantized takes them, or None."""
+    if not refs:
+        return None
+    alo_ref, ahi_ref, bt_ref = refs
+    return bt_ref, alo_ref, ahi_ref, scale
+
+
 def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_ref, s_ref,
-               o_ref, *, n_real, tm, tn, tkh, matmul):
+               *refs, n_real, tm, tn, tkh, matmul, merge_scale=None):
+    *merge_refs, o_ref = refs
+    merge = _merge(merge_refs, merge_scale)
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     Kh = p_ref.shape[2]
     n0 = pl.program_id(1) * tn
@@ -64,7 +99,7 @@ def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_
         k_ok = (k0 + _iota(tkh) < Kh)[None, :]
         x_lo = pltriton.load(xlo_ref.at[pl.ds(r0, tm), pl.ds(k0, tkh)], mask=k_ok, other=0)
         x_hi = pltriton.load(xhi_ref.at[pl.ds(r0, tm), pl.ds(k0, tkh)], mask=k_ok, other=0)
-        w_lo, w_hi = _load_weights(p_ref, s_ref, w, n0, tn, k0, tkh, cdt)
+        w_lo, w_hi = _load_weights(p_ref, s_ref, w, n0, tn, k0, tkh, cdt, merge)
         nt = ((1,), (1,))
         return acc + matmul(x_lo, w_lo, nt) + matmul(x_hi, w_hi, nt)
 
@@ -77,7 +112,9 @@ def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_
 
 
 def _nn_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, p_ref, s_ref,
-               olo_ref, ohi_ref, *, n_real, tm, tkh, tnc, matmul):
+               *refs, n_real, tm, tkh, tnc, matmul, merge_scale=None):
+    *merge_refs, olo_ref, ohi_ref = refs
+    merge = _merge(merge_refs, merge_scale)
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     N, Kh = p_ref.shape[1:]
     k0 = pl.program_id(1) * tkh
@@ -87,7 +124,7 @@ def _nn_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, p_ref, s_ref,
         n0 = c * tnc
         x = pltriton.load(x_ref.at[pl.ds(r0, tm), pl.ds(n0, tnc)],
                           mask=(n0 + _iota(tnc) < N)[None, :], other=0)
-        w_lo, w_hi = _load_weights(p_ref, s_ref, w, n0, tnc, k0, tkh, cdt)
+        w_lo, w_hi = _load_weights(p_ref, s_ref, w, n0, tnc, k0, tkh, cdt, merge)
         nn = ((1,), (0,))
         return acc[0] + matmul(x, w_lo, nn), acc[1] + matmul(x, w_hi, nn)
 
@@ -110,26 +147,39 @@ def _params(mode, num_warps, cost):
     return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), **extra)
 
 
-def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, axes, num_warps=4, cost=None):
-    """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2]."""
+def _merge_args(merge):
+    """(extra kernel inputs, the static scale) of a merge (A_lo, A_hi, Bᵀ, alpha/r)."""
+    if merge is None:
+        return (), None
+    *ops, scale = merge
+    return tuple(ops), float(scale)
+
+
+def gmm_nt(vis, x_lo, x_hi, packed, scale, *, tm, tn, tkh, out_dtype, mode, matmul, axes, num_warps=4, cost=None,
+           merge=None):
+    """y [M_pad, N] = x @ W_gᵀ from x's even/odd columns [M_pad, K/2]. merge: (A_lo, A_hi
+    [E|1, r, K/2], Bᵀ [E, N, r] fp32, alpha/r): each decoded chunk re-quantized first."""
     E, N, Kh = packed.shape
-    args = (*vis, x_lo, x_hi, packed, scale)
-    kernel = functools.partial(_nt_kernel, n_real=E, tm=tm, tn=tn, tkh=tkh, matmul=matmul)
+    extra, sc = _merge_args(merge)
+    args = (*vis, x_lo, x_hi, packed, scale, *extra)
+    kernel = functools.partial(_nt_kernel, n_real=E, tm=tm, tn=tn, tkh=tkh, matmul=matmul, merge_scale=sc)
     return pl.pallas_call(
         kernel, grid=(vis.group.shape[0], pl.cdiv(N, tn)), in_specs=[_whole(a) for a in args],
         out_specs=pl.BlockSpec((x_lo.shape[0], N), lambda j, i: (0, 0)),
-        out_shape=out_struct((x_lo.shape[0], N), out_dtype, axes), name="mxfp4_gmm_nt",
-        **_params(mode, num_warps, cost))(*args)
+        out_shape=out_struct((x_lo.shape[0], N), out_dtype, axes),
+        name="mxfp4_gmm_nt" if merge is None else "mxfp4_qat_gmm_nt", **_params(mode, num_warps, cost))(*args)
 
 
-def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes, num_warps=4, cost=None):
-    """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns."""
+def gmm_nn(vis, x, packed, scale, *, tm, tkh, tnc, out_dtype, mode, matmul, axes, num_warps=4, cost=None,
+           merge=None):
+    """(y_lo, y_hi) [M_pad, K/2]: x [M_pad, N] @ W_g's even / odd columns. merge: as gmm_nt's."""
     E, N, Kh = packed.shape
-    args = (*vis, x, packed, scale)
-    kernel = functools.partial(_nn_kernel, n_real=E, tm=tm, tkh=tkh, tnc=tnc, matmul=matmul)
+    extra, sc = _merge_args(merge)
+    args = (*vis, x, packed, scale, *extra)
+    kernel = functools.partial(_nn_kernel, n_real=E, tm=tm, tkh=tkh, tnc=tnc, matmul=matmul, merge_scale=sc)
     shape = out_struct((x.shape[0], Kh), out_dtype, axes)
     whole_out = pl.BlockSpec(shape.shape, lambda j, i: (0, 0))
     return pl.pallas_call(
         kernel, grid=(vis.group.shape[0], pl.cdiv(Kh, tkh)), in_specs=[_whole(a) for a in args],
-        out_specs=[whole_out, whole_out], out_shape=[shape, shape], name="mxfp4_gmm_nn",
-        **_params(mode, num_warps, cost))(*args)
+        out_specs=[whole_out, whole_out], out_shape=[shape, shape],
+        name="mxfp4_gmm_nn" if merge is None else "mxfp4_qat_gmm_nn", **_params(mode, num_warps, cost))(*args)

@@ -281,9 +281,15 @@ def _local(x, packed, scale, sizes, **kw):
     return mxfp4_grouped_matmul(x[0], packed, scale, sizes[0], **kw)[None]
 
 
-def _export(platform):
+def _local_qat(x, packed, scale, sizes, a, b):
+    """`_local` re-quantizing each expert's weight with its adapters (QAT's product)."""
+    return mxfp4_grouped_matmul(x[0], packed, scale, sizes[0], merge=(a, b, 2.0))[None]
+
+
+def _export(platform, qat: bool = False):
     """forward and dx, as the MoE's shard_map runs them (its vma check on): pallas_calls
-    typed by the manual axes their inputs vary over."""
+    typed by the manual axes their inputs vary over. qat: the re-quantizing product, B
+    split over `tensor` with the weights' output rows."""
     e, n, k, m = 4, 512, 256, 64
     checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
@@ -292,7 +298,14 @@ def _export(platform):
             jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8, sharding=sh(None, "tensor", None)),
             jax.ShapeDtypeStruct((e, n, k // 32), jnp.uint8, sharding=sh(None, "tensor", None)),
             jax.ShapeDtypeStruct((2, e), jnp.int32, sharding=sh("data")))
-    f = jax.shard_map(_local, **MESH_SPECS)  # impl="auto": the kernels on TPU and GPU
+    if qat:
+        args += (jax.ShapeDtypeStruct((e, k, 4), jnp.float32, sharding=sh()),
+                 jax.ShapeDtypeStruct((e, 4, n), jnp.float32, sharding=sh(None, None, "tensor")))
+        specs = dict(in_specs=MESH_SPECS["in_specs"] + (P(), P(None, None, "tensor")),
+                     out_specs=MESH_SPECS["out_specs"])
+        f = jax.shard_map(_local_qat, **specs)
+    else:
+        f = jax.shard_map(_local, **MESH_SPECS)  # impl="auto": the kernels on TPU and GPU
 
     def loss(*a):
         return jnp.sum(f(*a).astype(jnp.float32) ** 2)
@@ -322,3 +335,12 @@ def test_pallas_lowers_for_cuda():
     for text in _export("cuda"):
         assert "__gpu$xla.gpu.triton" in text
         assert "mxfp4_gmm_nt" in text and "mxfp4_gmm_nn" in text
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_requantizing_kernels_lower_for_tpu_and_cuda(platform):
+    """QAT's product runs the re-quantizing kernels on both accelerators, forward and dx
+    (Mosaic's on TPU, Triton's on GPUs), inside the MoE's shard_map."""
+    for text in _export(platform, qat=True):
+        assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+        assert "mxfp4_qat_gmm_nt" in text and "mxfp4_qat_gmm_nn" in text

@@ -85,6 +85,25 @@ def test_requantizing_product_uses_the_exported_weights_bit_for_bit(impl, shared
     np.testing.assert_array_equal(dequantize_mxfp4_np(np.asarray(q.packed), np.asarray(q.scale)), want)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_triton_layout_requantizes_to_the_exported_weights_bit_for_bit(shared):
+    """The GPU kernels (Triton layout, interpret mode) re-quantize each chunk they decode:
+    identity rows read the exporter's weights out of both orientations' products, bit for
+    bit; N = 80 and K / 2 = 48 leave the last chunks part past the arrays (masked loads)."""
+    from pallas_kernels.mxfp4_gmm import mxfp4_gmm
+    from k3jax.ops.mxfp4_matmul import merge_operands
+    packed, scale, a, b, s = _case(E=3, N=80, K=96, r=3, shared=shared, seed=4)
+    E, N, K = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
+    want = _exporter_weights(packed, scale, a, b, s)
+    merge = (*merge_operands(jnp.asarray(a), jnp.asarray(b), packed.shape), s)
+    run = lambda x, n, t: mxfp4_gmm(x, jnp.asarray(packed), jnp.asarray(scale), jnp.full((E,), n, jnp.int32),  # noqa: E731
+                                    transpose_rhs=t, mode="interpret", layout="triton", merge=merge)
+    got = run(jnp.tile(jnp.eye(K, dtype=jnp.float32), (E, 1)), K, True)                  # rows @ Wᵀ
+    np.testing.assert_array_equal(np.asarray(got).reshape(E, K, N), np.swapaxes(want, 1, 2))
+    got = run(jnp.tile(jnp.eye(N, dtype=jnp.float32), (E, 1)), N, False)                 # rows @ W
+    np.testing.assert_array_equal(np.asarray(got).reshape(E, N, K), want)
+
+
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_pallas_interpret_equals_the_pure_path(transpose_rhs):
     packed, scale, a, b, s = _case(E=4, N=128, K=96, r=3, seed=1)
