@@ -107,7 +107,7 @@ def test_triton_layout_requantizes_to_the_exported_weights_bit_for_bit(shared):
 @pytest.mark.parametrize("transpose_rhs", [True, False])
 def test_pallas_interpret_equals_the_pure_path(transpose_rhs):
     packed, scale, a, b, s = _case(E=4, N=128, K=96, r=3, seed=1)
-    E, N, K = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
+    N, K = packed.shape[1], 2 * packed.shape[2]
     sizes = jnp.array([5, 0, 17, 9], jnp.int32)
     x = jax.random.normal(jax.random.PRNGKey(0), (40, K if transpose_rhs else N), jnp.float32)
     kw = dict(transpose_rhs=transpose_rhs, merge=(a, b, s))
