@@ -130,10 +130,13 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
 
 
 # Bytes per token a device holds that XLA:TPU's allocation of a train step adds to the
-# counted values (activation_bytes): 4.4 GiB per 1,024 tokens a chip for full fine-tuning,
-# 8.0 with a frozen base (LoRA, whose gradients count no more than the adapters'). TPU
-# presets only: no GPU step has been compiled to measure XLA:GPU's
-ALLOCATION_PER_TOKEN = {"full": 4.4 * GIB / 1024, "frozen": 8.0 * GIB / 1024}
+# counted values (activation_bytes), past the first ALLOCATION_FROM tokens a chip: full
+# fine-tuning 4.4 GiB per 1,024 tokens from the first (fitted at 1K and 2K tokens a chip);
+# a frozen base (LoRA, whose gradients count no more than the adapters') 11.9 GiB per 1,024
+# past 950 (fitted at 1K, 2K and 4K: nothing added at 1K, as XLA's step of 30.9 GiB shows).
+# TPU presets only: no GPU step has been compiled to measure XLA:GPU's
+ALLOCATION_PER_TOKEN = {"full": 4.4 * GIB / 1024, "frozen": 11.9 * GIB / 1024}
+ALLOCATION_FROM = {"full": 0, "frozen": 950}
 
 # Logical axes a weight is ZeRO-sharded over (its input side, configs/meshes/rules/zero3.yaml):
 # gathered whole for the compute. The others (heads, vocab, hidden, experts) stay split.
@@ -307,8 +310,9 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     # what XLA:TPU allocates for a train step beyond the live values counted above (its
     # temporaries sit at fixed offsets: full K3's 13-layer LoRA step peaked at 9.6 GiB live in
     # an 18.4 GiB allocation), per token a device holds; fitted to the full-K3 compiles at
-    # 1K and 2K tokens a chip (docs/performance.md)
-    slack = (tokens * ALLOCATION_PER_TOKEN["frozen" if opt.lora_rank else "full"]
+    # 1K to 4K tokens a chip (docs/performance.md)
+    base = "frozen" if opt.lora_rank else "full"
+    slack = (max(0.0, tokens - ALLOCATION_FROM[base]) * ALLOCATION_PER_TOKEN[base]
              if opt.mode == "train" and preset.device.startswith("TPU") else 0)
     qat = qat_bytes(cfg, preset, opt) if opt.mode == "train" and opt.qat else 0
     if opt.mode == "infer":

@@ -386,11 +386,12 @@ XLA_COMPILED = [
     (("--batch", "256", "--ep-buffer-mib", "256"), 90.3),                         # 2026-12-06
     (("--batch", "2048", "--grad-accum", "8", "--expert-format", "mxfp4", "--lora-rank", "16",
       "--ep-buffer-mib", "1024"), 56.7),                                          # 2026-12-06
-    (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024"), 88.06),  # 2026-12-07
+    (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024"), 84.49),  # 2026-12-07
     (("--batch", "2048", "--grad-accum", "16", "--optimizer-offload", "--ep-buffer-mib", "1024",
       "--ep-capacity", "1.25"), 81.01),                                           # 2026-12-07
     (("--batch", "2048", "--grad-accum", "4", "--expert-format", "mxfp4", "--lora-rank", "16",
       "--ep-buffer-mib", "1024"), 92.05),                                         # 2026-12-07
+    (("--batch", "128", "--expert-format", "mxfp4", "--lora-rank", "16", "--ep-buffer-mib", "1024"), 30.87),  # 2026-12-07
 ]
 
 
