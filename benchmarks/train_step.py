@@ -18,7 +18,6 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, ModelConfig

@@ -23,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.fwd import (SUB, _iota, _row, call_options, chunk_specs, dot, dot_nt,
                                     dot_tn, kernel_call, offdiag_factors, pair_scores, selector,

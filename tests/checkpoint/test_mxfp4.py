@@ -1,5 +1,4 @@
 """MXFP4 codec: bit-exact decode, compressed-tensors' rounding, byte-identical round trips."""
-import math
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,7 +14,7 @@ from k3jax.checkpoint.mxfp4 import (
 )
 from k3jax.checkpoint.safetensors_io import SafetensorsFile
 from helpers import FIXTURES
-from reference import e2m1_value, mxfp4_decode_ref
+from reference import mxfp4_decode_ref
 
 FIXTURE_B = FIXTURES / "fixture_b" / "model.safetensors"
 

@@ -1,7 +1,6 @@
 """MXFP4-resident routed experts (issue 21): Moonshot's MXFP4 fixture through the packed path,
 convert/export keeping the bytes, and the planner's state bytes against a real LoRA run's."""
 import pytest
-import json
 
 import jax
 import numpy as np

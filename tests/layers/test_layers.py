@@ -28,8 +28,8 @@ from k3jax.layers.norms import GatedRMSNorm, RMSNorm
 from k3jax.ops.moe_dispatch import experts_dense, experts_ragged
 
 from helpers import rel_max
-from reference import (attn_res_ref, combine_matrix, conv_silu_ref, experts_ref, glu, kda_layer_ref, mla_ref, mlp_ref,
-                       moe_ref, rmsnorm, route_ref, sigmoid, silu, situ, softmax, softplus)
+from reference import (attn_res_ref, combine_matrix, conv_silu_ref, experts_ref, kda_layer_ref, mla_ref, mlp_ref,
+                       moe_ref, rmsnorm, route_ref, sigmoid, silu, situ)
 
 TOL = 1e-5
 F32, F64 = np.float32, np.float64

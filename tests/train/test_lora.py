@@ -10,7 +10,6 @@ import pytest
 from flax import linen as nn
 
 from k3jax import model as M
-from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np
 from k3jax.config import ConfigError, K3Config
 from k3jax.layout import layer_subpath
 from k3jax import lora
