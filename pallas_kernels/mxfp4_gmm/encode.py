@@ -110,17 +110,22 @@ def _ranks(cols, rows):
     return acc
 
 
+def _by_rank(left, right):
+    """left [..., P, r], right [..., r, Q] as their rank slices ([..., P, 1] and [..., 1, Q])."""
+    r = left.shape[-1]
+    return [left[..., :, j:j + 1] for j in range(r)], [right[..., j:j + 1, :] for j in range(r)]
+
+
 def lowrank(left, right):
     """left [..., P, r], right [..., r, Q] -> [..., P, Q] fp32, one rank at a time in order
     (each rank's product as `_add_product`'s exact parts)."""
-    r = left.shape[-1]
-    return _ranks([left[..., :, j:j + 1] for j in range(r)], [right[..., j:j + 1, :] for j in range(r)])
+    return _ranks(*_by_rank(left, right))
 
 
 def merge(w, left, right, scale):
     """w + scale · lowrank(left, right) in fp32 (w any float dtype, widened exactly), the
     scale's product in exact parts too."""
-    return _add_product(w.astype(jnp.float32), np.float32(scale), lowrank(left, right))
+    return merge_ranks(w, *_by_rank(left, right), scale)
 
 
 def merge_ranks(w, cols, rows, scale):

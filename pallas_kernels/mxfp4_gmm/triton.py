@@ -55,8 +55,9 @@ def _load_weights(p_ref, s_ref, w, r0, rows, c0, cols, cdt, merge=None):
 
 def _requantized(w_lo, w_hi, merge, w, r0, r_ok, c0, c_ok):
     """(low codes, high codes, expanded scales) of mxfp4(W + s·Bᵀ A) for a decoded chunk:
-    Bᵀ [E, R, r], A_lo / A_hi [E|1, r, C] refs, loaded one rank at a time."""
-    bt_ref, alo_ref, ahi_ref, scale = merge
+    merge: (A_lo, A_hi [E|1, r, C], Bᵀ [E, R, r] refs, alpha/r), as mxfp4_gmm orders them;
+    the adapters loaded one rank at a time."""
+    alo_ref, ahi_ref, bt_ref, scale = merge
     rows, cols = r_ok.shape[0], c_ok.shape[0]
     wa = w if alo_ref.shape[0] > 1 else jnp.int32(0)     # a shared A: every expert reads it
     rank = range(bt_ref.shape[2])
@@ -76,19 +77,10 @@ def _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm):
     return g, t * tm, w, inside
 
 
-def _merge(refs, scale):
-    """The merge refs after the weights' (A_lo, A_hi, Bᵀ, as mxfp4_gmm orders them) as
-    _requantized takes them, or None."""
-    if not refs:
-        return None
-    alo_ref, ahi_ref, bt_ref = refs
-    return bt_ref, alo_ref, ahi_ref, scale
-
-
 def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_ref, s_ref,
                *refs, n_real, tm, tn, tkh, matmul, merge_scale=None):
     *merge_refs, o_ref = refs
-    merge = _merge(merge_refs, merge_scale)
+    merge = (*merge_refs, merge_scale) if merge_refs else None
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     Kh = p_ref.shape[2]
     n0 = pl.program_id(1) * tn
@@ -114,7 +106,7 @@ def _nt_kernel(group_ref, tile_ref, weight_ref, bounds_ref, xlo_ref, xhi_ref, p_
 def _nn_kernel(group_ref, tile_ref, weight_ref, bounds_ref, x_ref, p_ref, s_ref,
                *refs, n_real, tm, tkh, tnc, matmul, merge_scale=None):
     *merge_refs, olo_ref, ohi_ref = refs
-    merge = _merge(merge_refs, merge_scale)
+    merge = (*merge_refs, merge_scale) if merge_refs else None
     g, r0, w, inside = _visit(group_ref, tile_ref, weight_ref, bounds_ref, tm)
     N, Kh = p_ref.shape[1:]
     k0 = pl.program_id(1) * tkh
