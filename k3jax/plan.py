@@ -129,14 +129,18 @@ def state_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> dict:
     return {k: int(v) for k, v in out.items()}
 
 
-# Bytes per token a device holds that XLA:TPU's allocation of a train step adds to the
-# counted values (activation_bytes), past the first ALLOCATION_FROM tokens a chip: full
-# fine-tuning 4.4 GiB per 1,024 tokens from the first (fitted at 1K and 2K tokens a chip);
-# a frozen base (LoRA, whose gradients count no more than the adapters') 11.9 GiB per 1,024
-# past 950 (fitted at 1K, 2K and 4K: nothing added at 1K, as XLA's step of 30.9 GiB shows).
-# TPU presets only: no GPU step has been compiled to measure XLA:GPU's
-ALLOCATION_PER_TOKEN = {"full": 4.4 * GIB / 1024, "frozen": 11.9 * GIB / 1024}
-ALLOCATION_FROM = {"full": 0, "frozen": 950}
+# What XLA:TPU's allocation of a train step adds to the counted values (activation_bytes),
+# per token a device holds. Full fine-tuning: 4.4 GiB per 1,024 tokens (fitted at 1K and 2K
+# tokens a chip). A frozen base (LoRA, whose gradients count no more than the adapters'):
+# max(0, 1.88 x the exchange buffers counted + 10.8 GiB per 1,024 tokens - 29.6 GiB), a
+# least-squares fit to the five LoRA compiles at 1K, 2K and 4K tokens a chip (4K with 256,
+# 512 and 1024 MiB exchange chunks; docs/performance.md). XLA's figure steps, not slopes,
+# with the chunk: at 4K, 21.5 and 20.8 GiB past the counted values in 256 and 512 MiB
+# chunks, 35.5 where the exchange runs in one chunk. TPU presets only: no GPU step has been
+# compiled to measure XLA:GPU's
+ALLOCATION_PER_TOKEN = {"full": 4.4 * GIB / 1024, "frozen": 10.8 * GIB / 1024}
+FROZEN_ALLOCATION_PER_BUFFER = 1.88
+FROZEN_ALLOCATION_OFFSET = 29.6 * GIB
 
 # Logical axes a weight is ZeRO-sharded over (its input side, configs/meshes/rules/zero3.yaml):
 # gathered whole for the compute. The others (heads, vocab, hidden, experts) stay split.
@@ -309,11 +313,15 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     gathered = gathered_bytes(cfg, preset, opt)
     # what XLA:TPU allocates for a train step beyond the live values counted above (its
     # temporaries sit at fixed offsets: full K3's 13-layer LoRA step peaked at 9.6 GiB live in
-    # an 18.4 GiB allocation), per token a device holds; fitted to the full-K3 compiles at
-    # 1K to 4K tokens a chip (docs/performance.md)
+    # an 18.4 GiB allocation), per token a device holds and, over a frozen base, with the
+    # exchange's buffers; fitted to the full-K3 compiles at 1K to 4K tokens a chip
+    # (ALLOCATION_PER_TOKEN, docs/performance.md)
     base = "frozen" if opt.lora_rank else "full"
-    slack = (max(0.0, tokens - ALLOCATION_FROM[base]) * ALLOCATION_PER_TOKEN[base]
-             if opt.mode == "train" and preset.device.startswith("TPU") else 0)
+    slack = tokens * ALLOCATION_PER_TOKEN[base]
+    if base == "frozen":
+        slack = max(0.0, slack + FROZEN_ALLOCATION_PER_BUFFER * moe_buffer - FROZEN_ALLOCATION_OFFSET)
+    if opt.mode != "train" or not preset.device.startswith("TPU"):
+        slack = 0
     qat = qat_bytes(cfg, preset, opt) if opt.mode == "train" and opt.qat else 0
     if opt.mode == "infer":
         return {"saved": 0, "layer_peak": int(peak_layer), "moe_buffer": int(moe_buffer), "logits": int(logits / 2),
