@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -268,6 +269,21 @@ def fit_spec(shape, spec: P, sizes: dict) -> P:
                 kept.append(a)
         out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     return P(*out)
+
+
+def row_axes(n: int, entry, sizes: dict) -> tuple[str, ...]:
+    """Of a rules entry's mesh axes, those of size > 1 whose product is the largest that
+    divides `n` rows, in order. 64 rollout slots over (fsdp 2, expert 64) go over expert,
+    64 ways; fit_spec's prefix rule would keep fsdp alone, 2 ways, and copy every cache 256
+    times over a 512-chip slice."""
+    axes = [a for a in entry_axes(entry) if sizes[a] > 1]
+    best, most = (), 1
+    for k in range(1, len(axes) + 1):
+        for sub in itertools.combinations(axes, k):
+            size = math.prod(sizes[a] for a in sub)
+            if n % size == 0 and size > most:
+                best, most = sub, size
+    return best
 
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:

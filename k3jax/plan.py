@@ -17,7 +17,7 @@ import numpy as np
 from flax import linen as nn
 
 from k3jax.config import OBJECTIVES, ConfigError, ModelConfig, expert_role
-from k3jax.mesh import MeshPreset, entry_axes, fit_spec, logical_shards
+from k3jax.mesh import MeshPreset, entry_axes, fit_spec, logical_shards, row_axes
 from k3jax.model import param_specs
 
 GIB = 1 << 30
@@ -354,7 +354,10 @@ def qat_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> int:
 def cache_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, batch: int) -> dict:
     """Per-device inference caches for `batch` sequences of `seq` tokens."""
     sizes = preset.shape(opt.devices)
-    seqs = batch / logical_shards(preset.rules, sizes, ("batch",))
+    # rows over the batch axes that divide them, as the engine places its caches
+    # (caches.cache_shardings; XLA's prefill output agrees where the batch divides them all)
+    rows = row_axes(batch, nn.logical_to_mesh_axes(("batch",), preset.rules)[0], sizes)
+    seqs = batch / math.prod(sizes[a] for a in rows)
     n_kda, n_mla = cfg.layer_kinds.count("kda"), cfg.layer_kinds.count("mla")
     H, d = cfg.kda_num_heads, cfg.kda_head_dim
     # heads over the axes that divide them, as the caches are placed (mesh.fit_spec: 96

@@ -200,6 +200,28 @@ def test_cache_heads_split_as_far_as_they_divide(tmp_path):
     assert inf["detail"]["caches"]["kda_state"] == 3 * 9 * 4 * 16 * 16 * 4 // 2
 
 
+def test_rollout_caches_split_their_rows_as_far_as_the_axes_divide(tmp_path):
+    # 4 slots over fsdp 2 x expert 4: the rows go over expert alone (4 ways), not over the
+    # prefix fsdp (2 ways), which would copy every cache to half the mesh; the planner
+    # counts the state the engine places there, read from the placed arrays' shards
+    import jax
+    from k3jax.infer.caches import cache_shardings, init_cache
+    from k3jax.mesh import load_mesh, row_axes
+    assert row_axes(64, ("data", "fsdp", "expert"), {"data": 1, "fsdp": 2, "expert": 64}) == ("expert",)
+    assert row_axes(6, ("fsdp", "expert"), {"fsdp": 2, "expert": 4}) == ("fsdp",)
+    assert row_axes(3, ("fsdp", "expert"), {"fsdp": 2, "expert": 4}) == ()
+    (tmp_path / "f2_e4.yaml").write_text("ici: {fsdp: 2, expert: 4}\nrules: zero3\n")
+    cfg, preset = load("toy"), load_preset(str(tmp_path / "f2_e4.yaml"))
+    mesh, rules = load_mesh(preset)
+    cache = init_cache(cfg, 4, 64)
+    placed = jax.device_put(cache, cache_shardings(cache, mesh, rules))
+    states = [x for p, x in jax.tree_util.tree_leaves_with_path(placed.layers) if p[-1].key == "state"]
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in states)
+    assert per_device * 4 == sum(x.nbytes for x in states)
+    got = plan(cfg, preset, PlanOptions(mode="infer", batch=4, seq=64), 8)["detail"]["caches"]["kda_state"]
+    assert got == per_device
+
+
 def test_training_ep_buffers_hold_the_backward_and_the_expert_adapters():
     """A rematerialised exchange chunk's backward holds its recomputed buffers and their
     cotangents (2x serving's); LoRA on the routed experts adds its deltas' outputs."""

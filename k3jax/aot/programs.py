@@ -165,6 +165,43 @@ def train_program(k3: K3Config, preset_name: str, devices, opt: PlanOptions, ove
                    seq=opt.seq, new_tokens=opt.seq, tc=tc)
 
 
+def rollout_programs(train: Program) -> tuple[Program, Program]:
+    """GRPO's rollout, the engine step `k3jax train` runs between updates
+    (infer.slots.step): (a prompt chunk, a decode token) for every one of grpo.rollout_slots
+    slots at once, over caches of data.seq_len tokens laid out as the run lays them
+    (caches.cache_shardings), with the update's params as they are between steps."""
+    from k3jax.infer import slots as S
+    from k3jax.infer.caches import cache_shardings, init_cache
+    from k3jax.train.rollouts import PROMPT_CHUNK
+    tc, mesh, cfg = train.tc, train.mesh, train.cfg
+    d = tc["data"]
+    slots = min(tc["grpo"]["rollout_slots"], d["batch_size"] * d["grad_accum"])
+    max_len = d["seq_len"]
+    shapes = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
+    cache = jax.tree.map(_sds, shapes, cache_shardings(shapes, mesh, train.rules))
+    rep = NamedSharding(mesh, P())
+    vec = lambda dt: jax.ShapeDtypeStruct((slots,), dt, sharding=rep)  # noqa: E731  (per-slot settings, host-made)
+    sampling = (vec(jnp.uint32), vec(jnp.int32), vec(jnp.float32), vec(jnp.int32), vec(jnp.float32))
+
+    def one(mode: str, width: int) -> Program:
+        ids = jax.ShapeDtypeStruct((slots, width), jnp.int32, sharding=rep)
+        return Program(mode, S.step, (cfg, train.args[0].params, cache, ids, vec(jnp.int32), *sampling), mesh,
+                       train.rules, cfg, tokens=slots * width, batch=slots, seq=max_len, new_tokens=width, tc=tc)
+    return one("rollout_prefill", PROMPT_CHUNK), one("rollout_decode", 1)
+
+
+def device_bytes(tree) -> int:
+    """Per-device bytes of abstract arrays in device memory (those placed in host memory,
+    e.g. an offloaded optimizer state, count nothing)."""
+    import math
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if getattr(x.sharding, "memory_kind", None) == "pinned_host":
+            continue
+        total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base or {})
     for k, v in over.items():

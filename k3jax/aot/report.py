@@ -24,7 +24,8 @@ import resource
 import time
 
 from k3jax.aot import depth as depth_mod, hlo
-from k3jax.aot.programs import Program, default_batch, prefill_tokens, serve_programs, train_program, with_cache
+from k3jax.aot.programs import (Program, default_batch, device_bytes, prefill_tokens, rollout_programs, serve_programs,
+                                train_program, with_cache)
 
 MEMORY_TERMS = ("arguments", "outputs", "temporaries", "generated_code", "aliases")
 _XLA_NAMES = {"arguments": "argument_size_in_bytes", "outputs": "output_size_in_bytes",
@@ -43,6 +44,30 @@ class DoesNotFit(RuntimeError):
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+
+
+def rss_gb() -> float:
+    """The resident set now (peak_rss_gb is the high-water mark)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        return float("nan")
+
+
+def release() -> None:
+    """Drop what one K3 compile leaves behind before the next: JAX's trace and lowering
+    caches and, on glibc, the freed heap malloc keeps (a K3 compile peaks at ~21 GiB on a
+    24 GiB host, so a second one beside the first's leftovers is killed)."""
+    import ctypes
+    import jax
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _cpu_s() -> float:
@@ -96,7 +121,18 @@ def measure(prog: Program, log=print) -> tuple[dict, object]:
 def _programs(k3, preset, devices, opt, mode, overrides, log):
     """Yield (name, figures) for each program of a mode, compiled in order."""
     if mode == "train":
-        yield "train", measure(train_program(k3, preset, devices, opt, overrides), log)[0]
+        prog = train_program(k3, preset, devices, opt, overrides)
+        yield "train", measure(prog, log)[0]
+        if opt.objective == "grpo":
+            # beside the rollout stay the optimizer state and (KL without LoRA) the reference copy
+            params = prog.args[0].params
+            beside = device_bytes(prog.args[0].opt_state) + (
+                device_bytes(params) if prog.tc["grpo"]["kl_beta"] > 0 and prog.cfg.runtime.lora is None else 0)
+            for ro in rollout_programs(prog):
+                release()
+                log(f"  resident before {ro.mode}: {rss_gb():.1f} GiB")
+                fig = measure(ro, log)[0]
+                yield ro.mode, {**fig, "beside_bytes": beside, "tokens": ro.tokens, "batch": ro.batch}
         return
     runtime = (overrides or {}).get("runtime")
     pre, ext = serve_programs(k3, preset, devices, opt, runtime, new_tokens=1 if mode == "decode" else None)
@@ -104,7 +140,7 @@ def _programs(k3, preset, devices, opt, mode, overrides, log):
     yield "prefill_first", fig
     ext = with_cache(ext, compiled)
     del compiled
-    gc.collect()
+    release()
     yield mode, measure(ext, log)[0]
 
 
@@ -136,7 +172,7 @@ def compile_figures(k3, preset: str, devices, opt, mode: str, overrides=None, de
         cfg = depth_mod.reduced(k3.text, n)
         log(f"compiling {cfg.num_hidden_layers} layers ({n} of {full} repeated layer groups)")
         runs[n] = dict(_programs(dataclasses.replace(k3, text=cfg), preset, devices, opt, mode, overrides, log))
-        gc.collect()
+        release()
     (n1, f1), (n2, f2) = runs.items()
     figs = {}
     for name in f1:
@@ -297,11 +333,33 @@ def assemble(head: dict, res: dict, pl: dict, k3, preset, opt, chip, hbm: int | 
         "programs": {n: {"compile_s": f["compile_s"], "memory_total": f["memory"]["total"]}
                      for n, f in res["programs"].items()},
     }
+    rollout = {n: f for n, f in res["programs"].items() if n.startswith("rollout_")}
+    if rollout:
+        out["rollout"] = rollout_report(rollout, pl, cfg, chip, devices, hbm)
+        out["fits"] = out["fits"] and all(r["fits"] for r in out["rollout"].values() if isinstance(r, dict))
     if mode == "decode":
         out["decode"] = {"hbm_bytes_all_devices": fig["hbm_bytes"] * devices,
                          "per_token": fig["hbm_bytes"] * devices / batch,
                          "active_weight_bytes_per_step": model["active_weight_bytes_per_step"],
                          "all_weight_bytes": model["dense_weight_bytes"] + model["routed_expert_bytes"]}
+    return out
+
+
+def rollout_report(figs: dict, pl: dict, cfg, chip, devices: int, hbm: int | None) -> dict:
+    """GRPO's rollout programs beside the update: each one's XLA memory plus what stays
+    live beside it (optimizer state, a KL reference copy), against the planner's rollout
+    total, and its estimated step (one prompt chunk or one decode token for every slot)."""
+    out = {"plan_total_bytes": pl["detail"]["objective"]["rollout_total"]}
+    for name, f in figs.items():
+        total = f["memory"]["total"] + f["beside_bytes"]
+        model = model_figures(cfg, "decode" if name == "rollout_decode" else "prefill", f["batch"], f["tokens"])
+        est = roofline(f, chip, model["model_flops_per_step"], devices)
+        out[name] = {"memory": f["memory"], "beside_bytes": f["beside_bytes"], "total_per_device_bytes": total,
+                     "plan_vs_xla": relative(out["plan_total_bytes"], total),
+                     "fits": bool(hbm is not None and total <= hbm), "slots": f["batch"],
+                     "tokens_per_step": f["tokens"], "compile_s": f["compile_s"],
+                     **{k: est[k] for k in ("compute_s", "memory_s", "collective_s", "estimated_step_s")},
+                     "estimated_tokens_per_s": f["tokens"] / est["estimated_step_s"] if est["estimated_step_s"] else 0.0}
     return out
 
 
@@ -333,6 +391,14 @@ def text(o: dict) -> str:
     lines += [f"  {100 * c['share']:5.1f} %  {c['opcode']:<18} {c['instruction']}" for c in o["costliest"]]
     lines.append("  by part of the model:")
     lines += [f"  {100 * c['share']:5.1f} %  {c['scope']}" for c in o["by_scope"]]
+    for name, r in o.get("rollout", {}).items():
+        if isinstance(r, dict):
+            lines.append(f"{name}: {g(r['total_per_device_bytes']).strip()} per device with the optimizer state "
+                         f"beside it (planner {g(o['rollout']['plan_total_bytes']).strip()}, "
+                         f"{'+' if r['plan_vs_xla'] >= 0 else ''}{100 * r['plan_vs_xla']:.1f} %), fits "
+                         f"{'yes' if r['fits'] else 'NO'}; {r['slots']} slots x {r['tokens_per_step'] // r['slots']} "
+                         f"tokens: est. step {1e3 * r['estimated_step_s']:.1f} ms, "
+                         f"{r['estimated_tokens_per_s']:,.0f} tokens/s")
     if "decode" in o:
         d = o["decode"]
         lines.append(f"decode: HBM bytes per step over all devices {g(d['hbm_bytes_all_devices']).strip()} "

@@ -31,7 +31,8 @@ def add_objective_flags(p):
     from k3jax.train.config import DEFAULTS
     p.add_argument("--objective", choices=OBJECTIVES, default="sft",
                    help="train: the objective (dpo adds the reference's log-probs; grpo the rollout's "
-                        "caches and log-probs, and with --kl-beta and no LoRA a copy of the params)")
+                        "caches and log-probs, and with --kl-beta and no LoRA a copy of the params; "
+                        "`k3jax compile` also compiles grpo's rollout steps, a prompt chunk and a decode token)")
     p.add_argument("--rollout-slots", type=number(int, 1), default=None, metavar="N",
                    help="grpo: sequences the rollout engine holds at once (grpo.rollout_slots; default train's: "
                         f"{DEFAULTS['grpo']['rollout_slots']}, at most the step's completions)")

@@ -61,6 +61,37 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     return Cache(layers, jnp.zeros((batch,), jnp.int32))
 
 
+def cache_shardings(cache: Cache, mesh, rules) -> Cache:
+    """NamedShardings that lay an engine's `cache` out on `mesh` (a training run's rollouts,
+    a served mesh): every leaf's rows over the rules' `batch` axes whose product is the
+    largest that divides the row count (mesh.row_axes), and a KDA layer's heads (state
+    [.., B, H, K, V], conv tails [.., B, W-1, H*K]) over the `heads` axes the rows leave, as
+    far as they divide (mesh.fit_spec); the rest replicated. Row counts are small (slots):
+    rows over a prefix of the batch axes alone would copy the caches over most of a pod."""
+    from flax import linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from k3jax.mesh import entry_axes, fit_spec, row_axes
+    sizes = dict(mesh.shape)
+    batch_entry, heads_entry = nn.logical_to_mesh_axes(("batch", "heads"), rules)
+
+    def spec(shape, lead: int, heads_dim: int | None):
+        out = [None] * len(shape)
+        rows = row_axes(shape[lead], batch_entry, sizes)
+        out[lead] = rows[0] if len(rows) == 1 else rows or None
+        if heads_dim is not None:
+            free = tuple(a for a in entry_axes(heads_entry) if a not in rows and sizes[a] > 1)
+            out[lead + heads_dim] = fit_spec((shape[lead + heads_dim],), P(free or None), sizes)[0]
+        return NamedSharding(mesh, P(*out))
+
+    def one(path, x):
+        name = getattr(path[-1], "key", None)
+        return spec(x.shape, stacked_axes(path), {"state": 1, "kv": None}.get(name, 2))
+
+    layers = jax.tree_util.tree_map_with_path(one, cache.layers)
+    return Cache(layers, NamedSharding(mesh, P()))
+
+
 def empty_past(cache: Cache) -> dict:
     """The cache as a fresh prefill sees it: zero KDA state and no earlier latents (the
     MLA buffers cut to length 0, so prefill attends only among its own tokens)."""

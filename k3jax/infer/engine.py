@@ -27,13 +27,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.errors import InputError
 from k3jax.infer import slots as S
-from k3jax.infer.caches import init_cache
+from k3jax.infer.caches import cache_shardings, init_cache
 from k3jax.infer.sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -76,8 +77,10 @@ class EngineFull(InputError):
 class Engine:
     """`slots` sequences at once, each up to `max_len` tokens (prompt and reply), prompts fed
     `chunk` tokens a step. `tokenizer` (optional) gives the text and the stop strings;
-    `scope()` the context (mesh) the steps trace under; `max_waiting` bounds the queue;
-    `prefix_entries` the saved prefixes (0: no reuse)."""
+    `scope()` the context (mesh) the steps trace under (a scope with `mesh` and `rules`, as
+    `generator.MeshScope`, also lays the cache's rows out over the mesh:
+    `caches.cache_shardings`); `max_waiting` bounds the queue; `prefix_entries` the saved
+    prefixes (0: no reuse)."""
 
     def __init__(self, cfg: ModelConfig, params, *, slots: int = 8, max_len: int = 512, chunk: int = 32,
                  tokenizer=None, scope=None, max_waiting: int = 256, prefix_entries: int = 8):
@@ -89,7 +92,7 @@ class Engine:
         self.slots, self.max_len, self.chunk = slots, max_len, min(chunk, max_len)
         self.max_waiting, self.prefix_entries = max_waiting, prefix_entries
         self.scope = scope
-        self.cache = init_cache(cfg, slots, max_len)
+        self.cache = self._new_cache()
         self._blank = init_cache(cfg, 1, max_len)
         self._prefixes: OrderedDict[tuple, object] = OrderedDict()
         self.active: list[Request | None] = [None] * slots
@@ -100,6 +103,13 @@ class Engine:
         self.error: BaseException | None = None
         self.generated_total = self.prompt_total = self.steps = 0
         self._recent: deque[tuple[float, int]] = deque()   # (time, tokens) of the last steps
+
+    def _new_cache(self):
+        cache = init_cache(self.cfg, self.slots, self.max_len)
+        mesh = getattr(self.scope, "mesh", None)
+        if mesh is None:
+            return cache
+        return jax.device_put(cache, cache_shardings(cache, mesh, self.scope.rules))
 
     # -- requests --------------------------------------------------------------------------
     def check(self, req: Request) -> Request:
@@ -180,7 +190,7 @@ class Engine:
                     self.error = e
                     for r in [*filter(None, self.active)]:
                         self._finish(r, "error")
-                    self.cache = init_cache(self.cfg, self.slots, self.max_len)
+                    self.cache = self._new_cache()
 
     def warmup(self):
         """Compile both step widths (idle slots: nothing changes)."""

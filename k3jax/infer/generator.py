@@ -56,6 +56,13 @@ class MeshScope:
             from k3jax.mesh import load_mesh
             self.mesh, self.rules = load_mesh(preset)
 
+    @classmethod
+    def around(cls, mesh, rules) -> "MeshScope":
+        """The scope of a mesh already made (e.g. a training run's)."""
+        scope = cls()
+        scope.mesh, scope.rules = mesh, rules
+        return scope
+
     @property
     def shardings(self):
         if self.mesh is None:

@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from k3jax.infer.caches import Cache, apply_updates
+from k3jax.infer.caches import Cache, apply_updates, cache_shardings
 from k3jax.infer.generate import _run
 from k3jax.infer.sampling import sample_rows
 from k3jax.layout import stacked_axes
@@ -26,8 +26,20 @@ def step(cfg, params, cache: Cache, tokens, n_new, seeds, counts, temperature, t
     """(sampled ids [S], logits [S, V] at each row's last real token, cache). Rows whose
     prompt is not yet all fed ignore their sample."""
     logits, updates = _run(cfg, params, cache.layers, cache.lengths, tokens, n_new)
-    cache = apply_updates(cache, updates, n_new)
+    cache = _keep_layout(apply_updates(cache, updates, n_new))
     return sample_rows(logits, seeds, counts, temperature, top_k, top_p), logits, cache
+
+
+def _keep_layout(cache: Cache) -> Cache:
+    """Under a mesh, the updated cache laid out as the engine placed it
+    (caches.cache_shardings): left to XLA, a prefill chunk's output cache came out split
+    fewer ways than its input (K3 on v5p-1024: 13.5 GiB a device instead of 0.5), so it
+    could not reuse the donated buffer and the next step would compile for a new layout."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return cache
+    from flax import linen as nn
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, nn.get_logical_axis_rules()))
 
 
 @functools.partial(jax.jit, donate_argnums=0)

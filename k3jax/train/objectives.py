@@ -65,18 +65,23 @@ def evaluator(cfg, tc: dict, tok, k3, path: str | None):
     return Evaluator(cfg, tc, build_preference(tc["data"], tok, k3, path), tc["data"]["batch_size"])
 
 
-def prepare(cfg, tc: dict, params, batches, evaluate, log) -> None:
+def prepare(cfg, tc: dict, params, batches, evaluate, log, mesh=None) -> None:
     """Before the first step, with the run's initial params: DPO without LoRA scores every
     training and eval pair with them once (the reference; dpo.precompute_reference). GRPO
     binds its rollouts to the model, with a copy of the initial params as the reference
-    where one is needed without LoRA (the step donates the params it is given)."""
+    where one is needed without LoRA (the step donates the params it is given), and to the
+    run's mesh (`mesh`: (Mesh, rules) or None), where its engine keeps the caches."""
     if is_grpo(tc):
         g = tc["grpo"]
         ref = None
         if g["kl_beta"] > 0 and cfg.runtime.lora is None:
             import jax
             ref = jax.tree.map(lambda x: x.copy(), params)
-        batches.bind(cfg, ref)
+        from k3jax.infer.generator import MeshScope
+        scope = MeshScope.around(*mesh) if mesh is not None else None
+        batches.bind(cfg, ref, scope)
+        if evaluate is not None:
+            evaluate.scope = scope
         kind = "none" if g["kl_beta"] == 0 else "initial params (a copy)" if ref is not None else \
             "the base with adapters off"
         log(f"grpo: loss_agg {g['loss_agg']}, clip {g['clip_eps']}/{g['clip_eps_high'] or g['clip_eps']}, "

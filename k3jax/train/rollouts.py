@@ -39,6 +39,9 @@ from k3jax.train.data import rows_to_batch
 from k3jax.train.grpo import group_advantages, read_prompts
 from k3jax.train.rewards import Rewards
 
+# prompt tokens a rollout slot is fed per engine step (the engine's other width is 1: decode)
+PROMPT_CHUNK = 32
+
 
 class PromptSet:
     """Prompt records and their rendered ids (generation prompt included)."""
@@ -77,15 +80,15 @@ def _logps(cfg, base: bool):
 
 
 def rollout(cfg, params, prompts: PromptSet, picks, tok, rewards: Rewards, *, max_tokens: int, max_len: int,
-            temperature: float, top_p: float, seeds, slots: int, stop: int | None = None):
+            temperature: float, top_p: float, seeds, slots: int, stop: int | None = None, scope=None):
     """Sample `picks` (prompt indices, one completion each, seed `seeds[i]`) with the
     engine, each ending at the `stop` id (default `<|end_of_msg|>`, the end of a turn) or
-    after max_tokens; returns [(prompt ids, completion ids (stop included), total reward,
-    [each], finish_reason)] in order."""
+    after max_tokens, on `scope`'s mesh (generator.MeshScope; None: no mesh); returns
+    [(prompt ids, completion ids (stop included), total reward, [each], finish_reason)] in order."""
     from k3jax.infer.engine import Engine, Request
     from k3jax.infer.sampling import SamplingParams
     stop = tok.token_id(END_OF_MSG) if stop is None else stop
-    eng = Engine(cfg, params, slots=slots, max_len=max_len, chunk=32, prefix_entries=0)
+    eng = Engine(cfg, params, slots=slots, max_len=max_len, chunk=PROMPT_CHUNK, prefix_entries=0, scope=scope)
     reqs = [Request(prompt=list(prompts.ids[i]), max_tokens=max_tokens, stop_ids=frozenset({stop}),
                     sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=int(s)))
             for i, s in zip(picks, seeds)]
@@ -127,14 +130,15 @@ class RolloutBatches(Recomputed):
         self.rewards = Rewards(self.g["rewards"], self.g["reward_weights"])
         rows = self.d["batch_size"] * self.d["grad_accum"]
         self.n_prompts = rows // self.g["group_size"]
-        self.cfg = self.ref_params = None
+        self.cfg = self.ref_params = self.scope = None
         self._k, self._batch = None, None
         self._window = {"rollout_s": 0.0, "gen_tokens": 0, "update_tokens": 0, "rewards": [], "lengths": [],
                         "stopped": 0, "n": 0}
 
-    def bind(self, cfg, ref_params=None):
-        """The model to sample and score with; `ref_params`: the reference's params (no LoRA)."""
-        self.cfg, self.ref_params = cfg, ref_params
+    def bind(self, cfg, ref_params=None, scope=None):
+        """The model to sample and score with; `ref_params`: the reference's params (no LoRA);
+        `scope`: the run's mesh (generator.MeshScope), where the rollouts' caches live."""
+        self.cfg, self.ref_params, self.scope = cfg, ref_params, scope
 
     def describe(self) -> str:
         return (f"{self.prompts.summary()}; {self.n_prompts} prompts x {self.g['group_size']} completions "
@@ -161,7 +165,7 @@ class RolloutBatches(Recomputed):
         t = time.perf_counter()
         res = rollout(self.cfg, params, self.prompts, picks, self.tok, self.rewards, max_tokens=g["max_tokens"],
                       max_len=d["seq_len"], temperature=g["temperature"], top_p=g["top_p"], seeds=seeds,
-                      slots=min(g["rollout_slots"], len(picks)))
+                      slots=min(g["rollout_slots"], len(picks)), scope=self.scope)
         w = self._window
         w["rollout_s"] += time.perf_counter() - t
         rewards = np.array([r[2] for r in res], np.float64)
@@ -214,7 +218,7 @@ class Evaluator:
     def __init__(self, tc: dict, ds: PromptSet, tok):
         self.tc, self.ds, self.tok = tc, ds, tok
         self.rewards = Rewards(tc["grpo"]["rewards"], tc["grpo"]["reward_weights"])
-        self.cfg = None
+        self.cfg = self.scope = None
         # the training rollouts' slot count, so both share one compiled engine step
         d = tc["data"]
         self.slots = min(tc["grpo"]["rollout_slots"], d["batch_size"] * d["grad_accum"])
@@ -223,7 +227,7 @@ class Evaluator:
         g = self.tc["grpo"]
         res = rollout(self.cfg, params, self.ds, np.arange(self.ds.n_rows), self.tok, self.rewards,
                       max_tokens=g["max_tokens"], max_len=self.tc["data"]["seq_len"], temperature=0.0, top_p=1.0,
-                      seeds=[0] * self.ds.n_rows, slots=self.slots)
+                      seeds=[0] * self.ds.n_rows, slots=self.slots, scope=self.scope)
         return {"eval_reward": float(np.mean([r[2] for r in res])),
                 "eval_solved": float(np.mean([all(x >= 1.0 for x in r[3]) for r in res])),
                 "eval_length": float(np.mean([len(r[1]) for r in res])), "eval_prompts": len(res)}

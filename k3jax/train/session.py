@@ -125,7 +125,7 @@ def restore(ctx: RunContext, state, groups):
     barrier("initialised")   # Orbax's first directory sync is a device collective
     opts = ocp.CheckpointManagerOptions(max_to_keep=tc["keep"], enable_async_checkpointing=tc["async_checkpoint"])
     mgr = ocp.CheckpointManager(f"{run_dir}/{RUN_CHECKPOINTS}", options=opts)
-    objectives.prepare(ctx.cfg, tc, state.params, ctx.batches, ctx.evaluate, ctx.log)   # with the initial params
+    objectives.prepare(ctx.cfg, tc, state.params, ctx.batches, ctx.evaluate, ctx.log, ctx.mesh)   # with the initial params
     latest = mgr.latest_step()
     if latest is not None:
         # only what a checkpoint holds (a LoRA run: its adapters and router biases, step.checkpoint_view)

@@ -92,3 +92,11 @@ def test_a_grpo_step_takes_the_rollout_batch():
     text = prog.lower().as_text()      # it lowers with them, as the step's own arguments
     assert text.count("tensor<1x8x64xf32>") >= 3          # loss mask, old and reference log-probs
     assert "tensor<1x8xf32>" in text                      # the advantages
+    # the rollout between updates: the engine's two step widths over min(64, 8) = 8 slots,
+    # with the update's params and the caches laid out as the run's engine lays them
+    from k3jax.infer.caches import cache_shardings
+    chunk, decode = programs.rollout_programs(prog)
+    assert (chunk.args[3].shape, decode.args[3].shape) == ((8, 32), (8, 1))
+    assert decode.args[1] is prog.args[0].params and decode.args[2].lengths.shape == (8,)
+    assert jax.tree.map(lambda x: x.sharding, decode.args[2]) == cache_shardings(decode.args[2], prog.mesh, prog.rules)
+    assert "tensor<8x1xi32>" in decode.lower().as_text()

@@ -7,6 +7,7 @@ grpo.mask_truncated the completions cut at max_tokens train on nothing."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -77,6 +78,44 @@ def test_rollouts_stop_free_slots_and_match_generate(tiny, tmp_path):
         m = np.flatnonzero(b["loss_mask"][j])
         assert m.tolist() == list(range(len(p) - 1, len(p) + len(c) - 1))    # targets = the completion
         np.testing.assert_array_equal(b["targets"][j, m], c)
+
+
+def test_rollouts_on_a_mesh_keep_their_caches_split_and_their_tokens(tiny, tmp_path):
+    """Under a training mesh (fsdp 2 x expert 2 x tensor 2) the engine lays its cache's rows over
+    the batch axes and the KDA heads over the tensor axis (caches.cache_shardings), and the
+    sampled completions are the ones the same seeds give on one device."""
+    from k3jax.infer.caches import init_cache
+    from k3jax.infer.engine import Engine
+    from k3jax.infer.generator import MeshScope
+    from k3jax.mesh import load_mesh
+    from k3jax.model import param_shardings, shard_params
+    cfg, params = tiny
+    tc, prompts = _tc(tmp_path)
+    mesh, rules = load_mesh("fsdp2_expert2_tensor2", jax.devices()[:8])
+    scope = MeshScope.around(mesh, rules)
+    kw = dict(max_tokens=8, max_len=112, temperature=1.0, top_p=0.9, seeds=[5, 6, 7, 8], slots=4)
+    alone = rollout(cfg, params, prompts, range(4), TOK, Rewards(["exact_match"]), **kw)
+    with scope():
+        placed = shard_params(params, param_shardings(cfg, mesh, rules))
+    on_mesh = rollout(cfg, placed, prompts, range(4), TOK, Rewards(["exact_match"]), scope=scope, **kw)
+    assert [r[1] for r in on_mesh] == [r[1] for r in alone]
+    cache = Engine(cfg, placed, slots=4, max_len=112, scope=scope).cache
+    assert jax.tree.map(lambda x: x.shape, cache) == jax.tree.map(lambda x: x.shape, init_cache(cfg, 4, 112))
+    # zero3's batch axes of size > 1 (fsdp, expert: 4 ways, the 4 rows); its heads axis: tensor
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache.layers):
+        spec = tuple(leaf.sharding.spec) + (None,) * leaf.ndim
+        assert spec[0] == ("fsdp", "expert"), (path, spec)
+        if path[-1].key == "state":      # [B, H, K, V]
+            assert spec[1:4] == ("tensor", None, None), (path, spec)
+    # a prompt chunk's step hands the cache back laid out as it came (its buffers reused)
+    from k3jax.infer import slots as S
+    S4 = lambda dt: jnp.zeros((4,), dt)  # noqa: E731
+    with scope():
+        out = S.step(cfg, placed, cache, jnp.ones((4, 32), jnp.int32), jnp.full((4,), 32, jnp.int32),
+                     S4(jnp.uint32), S4(jnp.int32), S4(jnp.float32) + 1, S4(jnp.int32), S4(jnp.float32) + 1)[2]
+    fresh = Engine(cfg, placed, slots=4, max_len=112, scope=scope).cache
+    same = jax.tree.map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim), out, fresh)
+    assert all(jax.tree.leaves(same)), jax.tree.map(lambda x: x.sharding.spec, out)
 
 
 def test_batch_source_advantages_and_old_logps(tiny, tmp_path, monkeypatch):
