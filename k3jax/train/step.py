@@ -113,8 +113,9 @@ def cross_entropy(logits, targets, mask):
 def objective_fns(cfg: ModelConfig, tc: dict):
     """(loss_terms(logits, mb, ref) -> (Σ loss, count, {metric: Σ}), reference(params, mb) ->
     what loss_terms takes as `ref` (no gradient), metric names) of the train config's objective."""
+    from k3jax.train import dpo
     if tc.get("objective", "sft") == "grpo":
-        from k3jax.train import dpo, grpo
+        from k3jax.train import grpo
         opts = tc["grpo"]
 
         def grpo_terms(logits, mb, ref):
@@ -123,7 +124,6 @@ def objective_fns(cfg: ModelConfig, tc: dict):
         # the reference's log-probs come with the rollout (rollouts.py), none when kl_beta is 0
         return grpo_terms, (lambda params, mb: mb.get("ref_logp")), grpo.METRICS
     if tc.get("objective", "sft") == "dpo":
-        from k3jax.train import dpo
         opts = tc["dpo"]
 
         def dpo_terms(logits, mb, ref):
