@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4_np, quantize_mxfp4
-from k3jax.checkpoint.names import VISION_PREFIXES, TensorEntry, hf_prefixes, tensor_map, vision_names
+from k3jax.checkpoint.names import TensorEntry, hf_prefixes, tensor_map, vision_names
+from k3jax.checkpoint.vision_names import PREFIXES as VISION_PREFIXES
 from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.config import ModelConfig, VisionConfig
 from k3jax.errors import K3JaxError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3jax.checkpoint.vision_names import PREFIXES as VISION_PREFIXES, vision_tensor_map
+from k3jax.checkpoint.vision_names import vision_tensor_map
 from k3jax.config import EXPERT_ROLES, ConfigError, ModelConfig, VisionConfig
 from k3jax import layout
 from k3jax.layout import layer_plan

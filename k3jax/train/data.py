@@ -138,9 +138,10 @@ class ChatDataset(PackedDataset):
             self.media = media = media or MediaConfig()
             kh, kw = vision.merge_kernel_size
 
-            def grid_of(w, h):
+            def merged_grid(w, h):
                 plan = resize_plan(w, h, media)
                 return (1, plan["grid_h"], plan["grid_w"]), (plan["grid_h"] // kh) * (plan["grid_w"] // kw)
+            grid_of = merged_grid
         examples, self.skipped = [], []     # skipped: 'file:line: why' of each bad record
         for where, folder, row in conversations:
             try:
