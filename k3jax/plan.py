@@ -289,12 +289,9 @@ def activation_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions, bat
     saved_per_token = {"full": carry,
                        "dots": sum(v["dots"] for v in per_layer) + carry,
                        "none": sum(v["all"] for v in per_layer) + carry}[opt.remat]
-    # 'ep' buffers (ragged_all_to_all, TPU/GPU): dropless, one device may receive every pair
-    # of every peer (P × tokens × k rows); with a capacity factor c, c × tokens × k rows;
-    # either way a device's tokens go through in chunks that keep the receive buffer
-    # within RuntimeOptions.ep_buffer_mib (layers/moe.py).
-    # Only where the rules split the experts over `expert` (v5p-256-decode splits each
-    # expert's hidden instead, and its MoE runs 'ragged' / 'gather', with no exchange).
+    # 'ep' buffers (layers/moe.py), only where the rules split the experts over `expert`
+    # (v5p-256-decode splits each expert's hidden: no exchange): sized by the dropless or
+    # capacity rule, in chunks that keep a receive buffer within RuntimeOptions.ep_buffer_mib.
     P = logical_shards(rules, sizes, ("expert",))
     moe_buffer = 0
     if cfg.num_experts and opt.moe_dispatch == "ep" and P > 1:
