@@ -17,6 +17,23 @@ REFERENCE_CONFIG = SHARED / "reference" / "kimi-k3" / "config.json"
 # slowest tests). Level 0 was faster still but stops fusing multiply-adds, which moved
 # sharded-vs-single-device comparisons by an ulp (init bitwise, 1.02e-5 on a 1e-5 bar).
 FAST_COMPILE = "--xla_backend_optimization_level=1"
+# Every layer kind of the toy in 5 layers: dense layer 0 (KDA), then a [KDA-MoE, MLA-MoE] group
+# that nn.scan repeats twice. Its step traces 3 layers where the 13-layer toy's traces 9
+# (5 unrolled around the scanned 4): about half the compile, for tests whose property needs
+# every kind and a repeated scan but not the toy's depth.
+SMALL_LAYERS = ("kda", "kda", "mla", "kda", "mla")
+
+
+def small_toy(**runtime):
+    """The text config of the toy cut to SMALL_LAYERS, with RuntimeOptions overrides."""
+    from k3jax.config import K3Config
+    from k3jax.testing.variants import variant_dict
+    d = variant_dict(layers=SMALL_LAYERS)
+    d.pop("train", None)
+    cfg = K3Config.from_hf(d).text
+    return cfg.with_runtime(**runtime) if runtime else cfg
+
+
 # Tests of minutes each that repeat what faster ones check; run them with K3JAX_LONG_TESTS=1
 LONG = pytest.mark.skipif(not os.environ.get("K3JAX_LONG_TESTS"), reason="long: set K3JAX_LONG_TESTS=1")
 

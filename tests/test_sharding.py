@@ -22,7 +22,7 @@ from k3jax.layers.mlp import glu_activation
 from k3jax.ops import moe_dispatch as md
 from k3jax.model import K3Model, init_params
 
-from helpers import rel_l2 as rel
+from helpers import SMALL_LAYERS, rel_l2 as rel, small_toy
 from reference import ep_kept_pairs
 
 # every mesh axis in a sharded train step, two compiles: fsdp with tensor and ep, data with
@@ -157,7 +157,7 @@ def test_expert_weights_are_split():
 
 @pytest.mark.slow
 def test_init_params_sharded_equals_init_params():
-    cfg = load("toy")
+    cfg = small_toy()
     mesh, rules = load_mesh("data2_fsdp2_expert2")
     got = init_params_sharded(cfg, jax.random.PRNGKey(3), mesh, rules)
     want = init_params(cfg, jax.random.PRNGKey(3))
@@ -385,9 +385,11 @@ def test_bad_presets_name_the_problem(tmp_path):
 
 
 @pytest.mark.slow
-def test_forward_command_on_a_mesh(capsys):
+def test_forward_command_on_a_mesh(capsys, tmp_path):
     from k3jax.cli import main
-    assert main(["forward", "toy", "--mesh", "expert8", "--batch", "8", "--seq", "16",
+    from k3jax.testing.variants import write_variant
+    small = write_variant(str(tmp_path / "small.yaml"), layers=SMALL_LAYERS)
+    assert main(["forward", small, "--mesh", "expert8", "--batch", "8", "--seq", "16",
                  "--kda-impl", "recurrent", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "'expert': 8" in out and "moe dispatch ep" in out and "finite=True" in out, out

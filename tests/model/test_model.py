@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import FIXTURES, REFERENCE_CONFIG, assert_logits_match, need
+from helpers import FIXTURES, REFERENCE_CONFIG, assert_logits_match, need, small_toy
 from k3jax import config as C
 from k3jax import model as M
 from k3jax.model import transformer
@@ -38,9 +38,13 @@ def test_logits_match_reference_fixture(fixture):
 TOY = C.load("toy", kda_chunk_size=16)
 
 
+# causality and packing hold layer by layer: every layer kind and a repeated scan is enough
+SMALL = small_toy(kda_chunk_size=16)
+
+
 @functools.lru_cache(maxsize=None)
-def toy_params():
-    return M.init_params(TOY, jax.random.PRNGKey(0))
+def toy_params(cfg=TOY):
+    return M.init_params(cfg, jax.random.PRNGKey(0))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -56,11 +60,11 @@ def toy_tokens(shape, seed=0):
 def test_toy_is_causal():
     tokens = toy_tokens((1, 48))
     seg = np.zeros_like(tokens)
-    base = np.asarray(run(TOY, toy_params(), tokens, seg))
+    base = np.asarray(run(SMALL, toy_params(SMALL), tokens, seg))
     for t in (0, 17, 47):
         changed = tokens.copy()
-        changed[0, t] = (changed[0, t] + 1) % TOY.vocab_size
-        out = np.asarray(run(TOY, toy_params(), changed, seg))
+        changed[0, t] = (changed[0, t] + 1) % SMALL.vocab_size
+        out = np.asarray(run(SMALL, toy_params(SMALL), changed, seg))
         np.testing.assert_array_equal(out[:, :t], base[:, :t])
         assert np.abs(out[:, t] - base[:, t]).max() > 1e-3  # the changed token itself does matter
 
@@ -70,9 +74,9 @@ def test_packed_documents_equal_each_document_alone():
     a, b = toy_tokens((1, 29), 1), toy_tokens((1, 19), 2)
     packed = np.concatenate([a, b], axis=1)
     seg = np.array([[1] * 29 + [2] * 19], np.int32)
-    out = np.asarray(run(TOY, toy_params(), packed, seg))
-    alone_a = np.asarray(run(TOY, toy_params(), a, None))
-    alone_b = np.asarray(run(TOY, toy_params(), b, None))
+    out = np.asarray(run(SMALL, toy_params(SMALL), packed, seg))
+    alone_a = np.asarray(run(SMALL, toy_params(SMALL), a, None))
+    alone_b = np.asarray(run(SMALL, toy_params(SMALL), b, None))
     assert np.abs(out[:, :29] - alone_a).max() <= 1e-4 * np.abs(alone_a).max()
     assert np.abs(out[:, 29:] - alone_b).max() <= 1e-4 * np.abs(alone_b).max()
 
