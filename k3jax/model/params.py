@@ -127,10 +127,9 @@ def _abstract_variables(cfg: ModelConfig):
 @functools.lru_cache(maxsize=16)
 def _traced_variables(cfg: ModelConfig):
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    cfg = cfg.with_runtime(moe_dispatch="dense") if cfg.num_experts else cfg   # as init_params
-    # the forward is traced only for the params it declares: KDA's plain recurrence traces
-    # in a fraction of the chunked form's time (K3: 3.35 s -> 1.99 s), with the same params
-    cfg = cfg.with_runtime(kda_impl="recurrent")
+    # the forward is traced only for the params it declares: the dense MoE dispatch as
+    # init_params, and KDA's plain recurrence (K3's trace 3.35 s -> 1.99 s), same params
+    cfg = cfg.with_runtime(kda_impl="recurrent", **({"moe_dispatch": "dense"} if cfg.num_experts else {}))
 
     def init(t):
         # the key made inside the trace: nothing runs eagerly, so a context mesh over devices

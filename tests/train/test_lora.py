@@ -10,24 +10,21 @@ import pytest
 from flax import linen as nn
 
 from k3jax import model as M
-from k3jax.config import ConfigError, K3Config
+from k3jax.config import ConfigError
 from k3jax.layout import layer_subpath
 from k3jax import lora
 from k3jax.train import config as tconf, muon, step as tstep
-from k3jax.testing.variants import variant_dict
 
-from helpers import rel_l2
+from helpers import rel_l2, small_toy
 from reference import lora_merged_params
 
-# layer 0 dense; layers 1-4 a scanned [KDA-MoE, MLA-MoE] pair twice: every kind of target
-LAYERS = ("kda", "kda", "mla", "kda", "mla")
 RUNTIME = dict(dtype="float32", param_dtype="float32", moe_dispatch="ragged", kda_impl="recurrent")
 
 
 def _cfg(**runtime):
-    d = variant_dict(layers=LAYERS)
-    d.pop("train")
-    return K3Config.from_hf(d).text.with_runtime(**{**RUNTIME, **runtime})
+    """helpers.small_toy: layer 0 dense, then a scanned [KDA-MoE, MLA-MoE] pair twice, so
+    every kind of target."""
+    return small_toy(**{**RUNTIME, **runtime})
 
 
 def _with_lora(cfg, **section):
