@@ -1,6 +1,7 @@
 """Shared test utilities: where the golden fixtures live, and error metrics."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,34 @@ def greedy_full_forward(cfg, params, ids: list[int], n_new: int, pad_id: int) ->
     for pos in range(len(ids), T):
         buf[0, pos] = np.asarray(fwd(params, jnp.asarray(buf)))[0, pos - 1]
     return buf[0, len(ids):].tolist()
+
+
+def fixture_b_cut(dest: Path, layers: int = 4) -> Path:
+    """Fixture B's release folder cut to its first `layers` layers at `dest` (config.json,
+    model.safetensors with MXFP4 experts, inputs.npy; no golden outputs: they are the full
+    depth's). Four keep every kind it has (dense KDA, KDA-MoE, MLA-MoE) and an AttnRes block
+    boundary, at 40 % of the ten's compile: for runs whose property is not fixture B's logits.
+    Skips when the fixture is absent."""
+    import json
+    import shutil
+
+    from k3jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+    b = need(FIXTURES / "fixture_b")
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((b / "config.json").read_text())
+    text = cfg["text_config"]
+    assert layers <= text["num_hidden_layers"], layers
+    text["num_hidden_layers"] = layers
+    linear = text["linear_attn_config"]          # 1-based layer numbers, as the release writes them
+    for key in ("kda_layers", "full_attn_layers"):
+        linear[key] = [i for i in linear[key] if i <= layers]
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    with SafetensorsFile(b / "model.safetensors") as f:
+        keep = {n: np.array(f.get(n)) for n in f.keys()
+                if not (m := re.search(r"\.layers\.(\d+)\.", n)) or int(m.group(1)) < layers}
+        write_safetensors(dest / "model.safetensors", keep, f.metadata)
+    shutil.copyfile(b / "inputs.npy", dest / "inputs.npy")
+    return dest
 
 
 def two_shard_multimodal_checkpoint(dest: Path) -> tuple[Path, Path, Path]:

@@ -14,7 +14,7 @@ import pytest
 
 from k3jax.testing.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, LONG, need, train_subprocess
+from helpers import FAST_COMPILE, LONG, fixture_b_cut, train_subprocess
 
 REWARD = '''
 def letters(record, reply):
@@ -27,7 +27,7 @@ def letters(record, reply):
 @pytest.mark.slow
 @LONG
 def test_lora_grpo_on_fixture_b_resumes_exactly(tmp_path):
-    b = need(FIXTURES / "fixture_b")
+    b = fixture_b_cut(tmp_path / "fixture_b4")
     (tmp_path / "grpo_test_rewards.py").write_text(REWARD)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": w}], "answer": w}) + "\n"

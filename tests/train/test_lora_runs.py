@@ -19,7 +19,7 @@ from k3jax.checkpoint.safetensors_io import ShardedCheckpoint
 from k3jax.model import forward
 from k3jax.testing.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, assert_logits_match, export_lost, need, rel_l2
+from helpers import FAST_COMPILE, assert_logits_match, export_lost, fixture_b_cut, rel_l2
 from reference import peft_merge_magnitude, peft_merged_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,9 +66,9 @@ def test_toy_lora_starts_at_the_full_fine_tunes_loss_falls_and_resumes_exactly(e
 
 @pytest.fixture(scope="module")
 def fixture_b_run(env):
-    """One LoRA step over fixture B's MXFP4 experts (held as MXFP4), every default target."""
+    """One LoRA step over fixture B's MXFP4 experts (held as MXFP4; its first four layers), every default target."""
     d, e = env
-    b = need(FIXTURES / "fixture_b")
+    b = fixture_b_cut(d / "fixture_b4")
     train = {"steps": 1, "log_every": 1, "ckpt_every": 1, "sample_tokens": 0, "peak_tflops": 1.0,
              "init_from": str(b), "data": {"path": CORPUS, "seq_len": 32, "batch_size": 2},
              "optimizer": {"warmup_steps": 0, "schedule": "constant"},

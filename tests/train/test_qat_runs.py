@@ -13,7 +13,7 @@ import yaml
 from k3jax import cli
 from k3jax.testing.variants import write_variant
 
-from helpers import FAST_COMPILE, FIXTURES, export_lost, need, rel_l2
+from helpers import FAST_COMPILE, export_lost, fixture_b_cut, rel_l2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "corpus.txt")
@@ -52,7 +52,7 @@ def fixture_b_lora(env):
     """LoRA on attention and every routed expert over fixture B's MXFP4 experts (held as
     MXFP4: with qat the forward re-quantizes each merged block): (config, tokens)."""
     d, _ = env
-    b = need(FIXTURES / "fixture_b")
+    b = fixture_b_cut(d / "fixture_b4")
     train = {"steps": 2, "log_every": 1, "ckpt_every": 2, "sample_tokens": 0, "peak_tflops": 1.0,
              "init_from": str(b), "data": {"path": CORPUS, "seq_len": 32, "batch_size": 2},
              "optimizer": {"warmup_steps": 0, "schedule": "constant"},
