@@ -32,7 +32,7 @@ REPO = os.path.dirname(CONFIG_DIR)
 STEPS = 12
 TRAIN = {"steps": STEPS, "log_every": 1, "ckpt_every": 1000, "keep": 3, "sample_tokens": 0, "peak_tflops": 1.0,
          "data": {"path": os.path.join(REPO, "data", "corpus.txt"), "seq_len": 16, "batch_size": 2},
-         "optimizer": {"warmup_steps": 2, "ns_steps": 1}, "runtime": {"kda_impl": "recurrent"}}
+         "optimizer": {"warmup_steps": 2}, "runtime": {"kda_impl": "recurrent"}}
 
 
 def start(tmp_path, cfg, name, log_name, devices, extra_env):
