@@ -132,8 +132,9 @@ def test_every_param_has_logical_axes():
 
 
 def test_a_profile_names_each_stage():
-    """The lowered toy step carries the stage scopes a profile is read by: KDA, MLA, AttnRes,
-    the router and the MoE dispatch, and under an expert mesh the 'ep' exchange."""
+    """The lowered step carries the stage scopes a profile is read by: KDA, MLA, AttnRes,
+    the router and the MoE dispatch, and under an expert mesh the 'ep' exchange (the toy's
+    five-layer cut: every stage is there, in unrolled and scanned layers)."""
     from k3jax.mesh import batch_sharding, load_mesh, use_mesh
 
     def scopes(cfg, mesh=None):
@@ -144,14 +145,14 @@ def test_a_profile_names_each_stage():
             tokens = place(tokens, batch_sharding(*mesh))
         fn = jax.jit(lambda p, t: M.K3Model(cfg).apply(M.variables_of(p), t))
         return fn.lower(shapes, tokens).as_text(debug_info=True)
-    text = scopes(TOY)
-    assert TOY.use_attn_res
+    text = scopes(SMALL)
+    assert SMALL.use_attn_res
     for stage in ("kda", "mla", "attn_res", "moe_router", "moe_dispatch"):
         assert f"/{stage}/" in text, stage
     assert "moe_exchange" not in text
     mesh = load_mesh("expert8")
     with use_mesh(*mesh):     # inside the shard_map the scope starts the name
-        assert '"moe_exchange/all_to_all"' in scopes(TOY.with_runtime(moe_dispatch="ep"), mesh)
+        assert '"moe_exchange/all_to_all"' in scopes(SMALL.with_runtime(moe_dispatch="ep"), mesh)
 
 
 # ---------------------------------------------------------------------------------------
