@@ -24,7 +24,13 @@ def read_json_or_dict(path_or_dict) -> dict:
     return d
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+# libyaml's parser where PyYAML was built with it (the same YAML, the same Python constructor
+# and resolver below): a planner call reads every mesh preset, and the pure-Python scanner
+# was half of a warm `k3jax plan`
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_SafeLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
     def construct_mapping(self, node, deep=False):
