@@ -335,14 +335,17 @@ def qat_bytes(cfg: ModelConfig, preset: MeshPreset, opt: PlanOptions) -> int:
     with widened experts, one MoE layer's local experts quantized to MXFP4 bytes (17/32 byte
     a value, the one per-layer copy; an MXFP4-resident base merges tile by tile, no copy);
     with LoRA, one layer's adapted dense projections merged as bf16(W + s·A·B) in fp32 (the
-    largest layer's gathered kernels, `gathered_bytes`, at 4 bytes a value)."""
+    largest layer's gathered kernels, `gathered_bytes`, at 4 bytes a value), except on TPU:
+    XLA:TPU fuses each merge into its projection's operand, and K3's LoRA r16 step over
+    MXFP4 at 128 x 4096 on v5p-1024 compiled to 29.2 GiB a chip with QAT against 30.9 without
+    (2026-12-08, docs/performance.md); the toy's to 5.8 GiB both."""
     sizes = preset.shape(opt.devices)
     out = 0.0
     if cfg.num_experts and opt.expert_format != "mxfp4":
         local = cfg.num_experts / logical_shards(preset.rules, sizes, ("expert",))
         hidden = logical_shards(preset.rules, sizes, ("expert_mlp",))
         out += local * 3 * cfg.moe_hidden_size * cfg.moe_intermediate_size / hidden * 17 / 32
-    if opt.lora_rank:
+    if opt.lora_rank and not preset.device.startswith("TPU"):
         dense = gathered_bytes(cfg, preset, opt, keep=lambda keys: expert_role(keys) is None)["layer"]
         out += dense / np.dtype(opt.param_dtype).itemsize * 4
     return int(out)

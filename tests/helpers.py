@@ -25,11 +25,12 @@ FAST_COMPILE = "--xla_backend_optimization_level=1"
 SMALL_LAYERS = ("kda", "kda", "mla", "kda", "mla")
 
 
-def small_toy(**runtime):
-    """The text config of the toy cut to SMALL_LAYERS, with RuntimeOptions overrides."""
+def small_toy(text: dict | None = None, **runtime):
+    """The text config of the toy cut to SMALL_LAYERS, with text_config (`text`) and
+    RuntimeOptions overrides."""
     from k3jax.config import K3Config
     from k3jax.testing.variants import variant_dict
-    d = variant_dict(layers=SMALL_LAYERS)
+    d = variant_dict(layers=SMALL_LAYERS, **(text or {}))
     d.pop("train", None)
     cfg = K3Config.from_hf(d).text
     return cfg.with_runtime(**runtime) if runtime else cfg

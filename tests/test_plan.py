@@ -432,6 +432,22 @@ def test_the_planner_is_within_ten_percent_of_xla_on_the_compiled_k3_steps(capsy
         assert (out["grad_accum"], out["ep_buffer_mib"], out["optimizer_offload"]) == (4, 512.0, False)
 
 
+def test_qat_over_lora_on_tpu_adds_nothing_as_xla_compiled_it(capsys):
+    """K3's LoRA r16 step over MXFP4 at 128 x 4096 on v5p-1024, compiled by XLA:TPU side by
+    side (`k3jax compile configs/k3.yaml --mesh v5p-1024 --topology v5p:8x8x8 --mode train
+    --optimizer muon --expert-format mxfp4 --lora-rank 16 --batch 128 --seq 4096 [--qat]`,
+    2026-12-08): 30.87 GiB a chip without QAT, 29.23 with. XLA fuses each bf16(W + s·A·B)
+    merge into its projection's operand, so the plan gains no `qat` bytes there; it had
+    counted one layer's merged dense kernels in fp32 (4.4 GiB, 26 % over XLA's total)."""
+    flags = ("--mesh", "v5p-1024", "--seq", "4096", "--batch", "128", "--expert-format", "mxfp4",
+             "--lora-rank", "16", "--ep-buffer-mib", "1024", "--no-optimizer-offload")
+    plain = run_json(capsys, "configs/k3.yaml", *flags)
+    qat = run_json(capsys, "configs/k3.yaml", *flags, "--qat")
+    assert qat["detail"]["activations"]["qat"] == 0
+    assert qat["bytes_per_device"] == plain["bytes_per_device"]
+    assert qat["bytes_per_device"]["total"] / GIB >= 29.23        # not under XLA's own figure
+
+
 def test_qat_adds_one_layers_experts_as_the_bytes_the_forward_makes():
     """`--qat` over widened experts: the train step quantizes one MoE layer's local experts
     to MXFP4 bytes (ops.qat.requantized); the planner's term is those arrays' size on a

@@ -18,6 +18,7 @@ from k3jax.mesh import LOGICAL_AXES, MESH_DIR, batch_sharding, entry_axes, load_
 from k3jax.model import init_params_sharded, param_shardings, param_specs, shard_params
 from k3jax.config import ConfigError, load
 from k3jax.layers import moe
+from k3jax.layout import layer_plan
 from k3jax.layers.mlp import glu_activation
 from k3jax.ops import moe_dispatch as md
 from k3jax.model import K3Model, init_params
@@ -588,7 +589,9 @@ def test_a_decode_step_keeps_the_latent_projections_split():
     layer for a 32-token step)."""
     from k3jax.infer.caches import init_cache
     from k3jax.infer.generate import _run
-    cfg = load("toy", kda_impl="recurrent")
+    # the five-layer cut with every layer MoE: an unrolled one (layer 0) and the scanned pair
+    cfg = small_toy({"first_k_dense_replace": 0}, kda_impl="recurrent")
+    assert cfg.ffn_kinds[0] == "moe" and layer_plan(cfg).head == (0,) and layer_plan(cfg).n_groups == 2
     D, H = cfg.hidden_size, cfg.moe_hidden_size
     mesh, rules = load_mesh("expert_hidden8")
     params = shard_params(init_params(cfg, jax.random.PRNGKey(0)), param_shardings(cfg, mesh, rules))

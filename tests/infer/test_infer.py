@@ -31,7 +31,9 @@ VARIANTS = {
                             attn_res_block_size=2),
     "mla_only": TOY.replace(num_hidden_layers=3, kda_layers=(), full_attn_layers=(1, 2, 3),
                             attn_res_block_size=None),
-    "hybrid_toy": TOY,
+    # dense KDA layer 0, a scanned [KDA-MoE, MLA-MoE] pair twice, an unrolled MLA-MoE tail:
+    # every cache kind both unrolled and scanned, in half the toy's 13 layers
+    "hybrid": TOY.replace(num_hidden_layers=6, kda_layers=(1, 2, 4), full_attn_layers=(3, 5, 6)),
 }
 # the cached latents read by the fused kernel (interpreted here; what TPU runs under 'auto')
 VARIANTS["mla_only_fused"] = VARIANTS["mla_only"].with_runtime(decode_attention="pallas")
@@ -71,14 +73,20 @@ def numpy_params(cfg, seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def setup(name):
+def inputs(name):
+    """(config, params, tokens) of a variant: two rows of LENS[0] + STEPS tokens."""
     cfg = VARIANTS[name]
-    params = numpy_params(cfg, 1)
-    # row 1 is its 13-token prompt + 6 fed tokens; what follows position 19 is never seen
-    # by those positions (causal), so one [2, 26] forward is the reference for both rows
     tokens = np.random.default_rng(3).integers(0, 256, (2, LENS[0] + STEPS), dtype=np.int32)
-    full = np.asarray(M.forward(cfg, params, tokens))
-    return cfg, params, tokens, full
+    return cfg, numpy_params(cfg, 1), tokens
+
+
+@functools.lru_cache(maxsize=None)
+def setup(name):
+    """`inputs` and the full forward's logits. Row 1 is its 13-token prompt + 6 fed tokens;
+    what follows position 19 is never seen by those positions (causal), so one [2, 26]
+    forward is the reference for both rows."""
+    cfg, params, tokens = inputs(name)
+    return cfg, params, tokens, np.asarray(M.forward(cfg, params, tokens))
 
 
 def close(a, b, tol=1e-4):
@@ -89,7 +97,7 @@ def close(a, b, tol=1e-4):
 @functools.lru_cache(maxsize=None)
 def batched_run(name):
     """Prefill the padded batch and decode STEPS teacher-forced tokens per row."""
-    cfg, params, tokens, _ = setup(name)
+    cfg, params, tokens = inputs(name)
     n = np.array(LENS, np.int32)
     prompt = np.where(np.arange(LENS[0])[None] < n[:, None], tokens[:, :LENS[0]], cfg.pad_token_id)
     logits, cache = G.prefill(cfg, params, prompt, n, max_len=MAX_LEN)
@@ -112,8 +120,8 @@ def test_prefill_then_decode_equals_full_forward(name):
 
 @pytest.mark.slow
 def test_padded_row_equals_the_sequence_decoded_alone():
-    cfg, params, tokens, _ = setup("hybrid_toy")
-    got, _ = batched_run("hybrid_toy")
+    cfg, params, tokens = inputs("hybrid")
+    got, _ = batched_run("hybrid")
     n = LENS[1]
     logits, cache = G.prefill(cfg, params, tokens[1:, :n], max_len=MAX_LEN)
     alone = [np.asarray(logits)]
@@ -126,8 +134,8 @@ def test_padded_row_equals_the_sequence_decoded_alone():
 
 @pytest.mark.slow
 def test_prefix_reuse_equals_fresh_prefill():
-    cfg, params, tokens, _ = setup("hybrid_toy")
-    got, _ = batched_run("hybrid_toy")   # row 0: a fresh prefill of 20 tokens, then decode
+    cfg, params, tokens = inputs("hybrid")
+    got, _ = batched_run("hybrid")   # row 0: a fresh prefill of 20 tokens, then decode
     ids = tokens[0, :LENS[0]].tolist()
     pc = PrefixCache()
     pc.prefill(cfg, params, ids[:LENS[1]], max_len=MAX_LEN)         # saves the shared prefix
@@ -145,9 +153,9 @@ def test_prefix_reuse_equals_fresh_prefill():
 
 
 def test_cache_layout_matches_params_and_spec():
-    cfg = TOY
+    cfg = VARIANTS["hybrid"]
     cache = caches.init_cache(cfg, 2, MAX_LEN)
-    params = setup("hybrid_toy")[1]
+    params = numpy_params(cfg)
     assert set(cache.layers) == {k for k in params if k.startswith(("layers_", "groups"))}
     plan = layer_plan(cfg)
     for j, (kind, _) in enumerate(plan.group):
@@ -294,7 +302,7 @@ def test_cli_generate_text_needs_a_tokenizer_for_the_real_vocabulary(monkeypatch
 
 
 def test_inputs_past_the_cache_are_clear_errors():
-    cfg, params, tokens, _ = setup("hybrid_toy")
+    cfg, params, tokens = inputs("hybrid")
     with pytest.raises(InputError, match="max_len"):
         G.prefill(cfg, params, tokens[:, :20], max_len=16)
     with pytest.raises(InputError, match="vocabulary"):
