@@ -313,7 +313,7 @@ def test_a_batch_too_large_for_one_pass_runs_as_the_fewest_microbatches_that_fit
     a, micro = out["grad_accum"], out["microbatch"]
     assert out["fits"] and a > 1 and a * micro == 2048 and out["batch"] == 2048
     assert out["chosen"] == {"grad_accum": a}
-    from k3jax.plan import CHOICE_MARGIN
+    from k3jax.plan_choices import CHOICE_MARGIN
     assert out["bytes_per_device"]["total"] <= CHOICE_MARGIN * out["hbm_bytes"]
 
     def plan_of(argv, accum):
@@ -338,7 +338,7 @@ def test_full_fine_tuning_at_16k_tokens_a_chip_keeps_the_optimizer_state_in_host
     chooses runtime.optimizer_offload, which moves exactly that state to the host, and of
     the settings tried before it (fewer microbatches, the state on the device, a larger
     exchange buffer) none fits within the choosing margin."""
-    from k3jax.plan import CHOICE_MARGIN, EP_BUFFER_CHOICES
+    from k3jax.plan_choices import CHOICE_MARGIN, EP_BUFFER_CHOICES
     full = ("configs/k3.yaml", "--mesh", "v5p-1024", "--batch", "2048")
     out = run_json(capsys, *full)
     a, chosen = out["grad_accum"], out["chosen"]

@@ -21,6 +21,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+
+import numpy as np
 
 FLAG_SETS = {
     "level 1 (before)": "--xla_backend_optimization_level=1",
@@ -68,9 +71,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    import tempfile
-
-    import numpy as np
     times = {name: [] for name in FLAG_SETS}
     with tempfile.TemporaryDirectory() as d:
         results = {}

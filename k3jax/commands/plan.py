@@ -66,12 +66,12 @@ def given_runtime(args) -> dict:
 def choose(args, text, preset_name: str, opt, total_params: int, also_given: dict | None = None):
     """(model config, plan options, {setting: value} chosen, the preset's runtime settings
     taken): a train step's grad_accum, ep_buffer_mib and optimizer_offload where the command
-    line gave none (`plan.choose_settings`), under the runtime settings of the layout `k3jax
+    line gave none (`plan_choices.choose_settings`), under the runtime settings of the layout `k3jax
     train` runs that microbatch on (`mesh.preset_for`), which can differ from the full
     batch's. `also_given`: runtime keys set elsewhere (a config's train section, overrides),
     which the preset does not override either."""
     from k3jax.mesh import load_preset, preset_for, preset_runtime
-    from k3jax.plan import choose_settings
+    from k3jax.plan_choices import choose_settings
     given = given_runtime(args)
     given_names = set(given) | ({"grad_accum"} if opt.grad_accum is not None else set())
     chosen, micro, opt_chosen = {}, opt.batch, opt
@@ -151,7 +151,8 @@ def plan_options(args, **given):
 def run(args) -> int:
     from k3jax.checkpoint.load import load_any_config
     from k3jax.mesh import load_preset
-    from k3jax.plan import fit_suggestions, plan
+    from k3jax.plan import plan
+    from k3jax.plan_choices import fit_suggestions
 
     k3 = load_any_config(args.config)
     opt = plan_options(args, mode=args.mode, devices=args.devices)
@@ -174,7 +175,7 @@ def run(args) -> int:
 def _print_plan(args, out: dict, chosen: dict) -> None:
     """`plan`'s report as lines; `chosen`: the settings the planner picked."""
     from k3jax.mesh import describe_runtime
-    from k3jax.plan import CHOICE_MARGIN
+    from k3jax.plan_choices import CHOICE_MARGIN
     shape = " x ".join(f"{a} {s}" for a, s in out["mesh_shape"].items()) or "1 device"
     print(f"{args.config} on {out['mesh']} ({shape}; {out['devices']} devices), {args.mode}: "
           f"batch {out['batch']} x {out['seq']} tokens, remat {out['remat']}, {out['optimizer']}, "
